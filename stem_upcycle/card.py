@@ -1,0 +1,53 @@
+"""The README model card written next to a converted model."""
+
+from .init import INITIALISERS
+
+
+def model_card(plan, command: str) -> str:
+    cfg = plan.config
+    tables = plan.table_specs
+    license_ = plan.source.license or "unknown: check the base model's licence"
+    tags = "\n".join(f"- {t}" for t in ("stem", "stem-upcycle", cfg.dense_model_type))
+    return f"""---
+base_model: {plan.source.spec}
+library_name: transformers
+license: {plan.source.license or "other"}
+tags:
+{tags}
+---
+
+# STEM model upcycled from `{plan.source.spec}`
+
+A STEM model (Scaling Transformers with Embedding Modules, arXiv 2601.10639) made by
+[stem-upcycle](https://pypi.org/project/stem-upcycle/) from a dense `{cfg.dense_model_type}` checkpoint.
+In the STEM layers the MLP computes `down_proj(act(gate_proj(x)) * up_table[token_id])`: the dense
+up-projection is replaced by a table with one row of size {cfg.intermediate_size} per vocabulary entry.
+
+| | |
+|---|---|
+| base model | `{plan.source.spec}` |
+| licence of the base model | {license_} |
+| STEM layers | {len(plan.layers)} of {cfg.num_hidden_layers}: {plan.layers} |
+| table init | `{plan.init}`: {INITIALISERS[plan.init].description} |
+| tables | {len(tables)} x [{cfg.vocab_size}, {cfg.intermediate_size}], {tables[0].dtype} |
+| weights | {plan.total_bytes / 1e9:.2f} GB in {len(plan.shards)} safetensors shard(s) |
+| made with | `{command or "stem_upcycle.convert"}` |
+
+> **Not ready for use as it is.** A freshly converted STEM model is much worse than its dense
+> base: with the data-free closed-form init, SmolLM2-135M with a third of its layers converted
+> scores a perplexity of ~8e5 against 35 for the dense model. Calibrated initialisation and
+> recovery training are needed before this model is useful.
+
+## Loading
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("PATH")
+```
+
+`trust_remote_code=True` runs `configuration_stem.py` and `modeling_stem.py` from this directory
+(they import only torch and transformers); with `import stem_upcycle` it is not needed. The STEM
+layers need token ids: call the model with `input_ids`, not `inputs_embeds`.
+"""

@@ -1,0 +1,331 @@
+"""Convert a dense checkpoint into a STEM checkpoint, out of core.
+
+`plan_conversion` decides everything (layers, output tensors, shards, sizes) without reading a
+weight; `run_conversion` streams: dense tensors are read one at a time and copied, tables are
+computed in chunks of vocabulary rows and written as they are computed, on a writer thread.
+Everything goes into a temporary directory beside OUT that is moved into place only when complete.
+"""
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.utils.hub import convert_file_size_to_int
+
+from . import card
+from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE, Family, family_for, layer_name
+from .init import INITIALISERS
+from .layers import DEFAULT_LAYERS, parse_layers
+from .modeling import StemConfig
+from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
+from .source import Source
+
+MODELING_DIR = Path(__file__).parent / "modeling"
+MODELING_FILES = ("configuration_stem.py", "modeling_stem.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_stem.StemConfig",
+    "AutoModel": "modeling_stem.StemModel",
+    "AutoModelForCausalLM": "modeling_stem.StemForCausalLM",
+}
+CHUNK_BYTES = 64 * 2**20  # rows of a table computed at once
+POOL_BUFFERS = 3  # chunk buffers in circulation: one computing, up to two queued for the disk
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class ConversionError(ValueError):
+    """A conversion refused before anything was written; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """An output tensor taken from a source tensor (rows [0, rows) of it when rows is set)."""
+
+    source_name: str
+    rows: int | None = None
+
+
+@dataclass(frozen=True)
+class Table:
+    layer: int
+
+
+@dataclass
+class ConversionPlan:
+    source: Source
+    family: Family
+    layers: list[int]
+    dtype: torch.dtype
+    init: str
+    specs: list[TensorSpec]
+    producers: dict  # output name -> Copy | Table
+    shards: list[list[TensorSpec]]
+    config: StemConfig
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        # bf16 matmuls are ~4x faster than fp32 on CPU; fp16 matmuls are unusably slow there.
+        return torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def table_specs(self) -> list[TensorSpec]:
+        return [s for s in self.specs if isinstance(self.producers[s.name], Table)]
+
+    @property
+    def chunk_rows(self) -> int:
+        return max(1, CHUNK_BYTES // (self.config.intermediate_size * self.compute_dtype.itemsize))
+
+    def ram_estimate(self) -> int:
+        """Peak bytes held: the embedding, chunk buffers, one W_up, two dense tensors in flight."""
+        tensors = self.source.tensors
+        cfg = self.config
+        embedding = tensors.nbytes(EMBEDDING)
+        chunk = self.chunk_rows * cfg.intermediate_size * self.compute_dtype.itemsize
+        up = cfg.intermediate_size * cfg.hidden_size * (4 + self.compute_dtype.itemsize)
+        largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], Table))
+        in_memory = self.source.files_bytes * 4 if self.source.extra.get("gguf") else 0  # dequantised fp32
+        runtime = 600 * 2**20  # Python, torch and transformers themselves
+        return embedding + (POOL_BUFFERS + 1) * chunk + up + 3 * largest + in_memory + runtime
+
+    def describe(self) -> str:
+        cfg, gb = self.config, 1e9
+        tables = self.table_specs
+        lines = [
+            f"source     {self.source.spec} ({cfg.dense_model_type}, {cfg.num_hidden_layers} layers, "
+            f"vocab {cfg.vocab_size}, d {cfg.hidden_size}, d_ff {cfg.intermediate_size})",
+            f"stem       {len(self.layers)} of {cfg.num_hidden_layers} layers: {self.layers}",
+            f"init       {self.init}: {INITIALISERS[self.init].description}",
+            f"tables     {len(tables)} x [{cfg.vocab_size}, {cfg.intermediate_size}] {_dtype_name(self.dtype)}"
+            f" = {len(tables) * tables[0].nbytes / gb:.2f} GB ({tables[0].nbytes / gb:.2f} GB each)",
+            f"output     {self.total_bytes / gb:.2f} GB in {len(self.shards)} shard(s)",
+            f"peak RAM   ~{self.ram_estimate() / gb:.1f} GB (estimate)",
+        ]
+        return "\n".join(lines)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layer_of(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") else -1
+
+
+def _order_key(name: str):
+    # Embedding first, then layers in numeric order, then the final norm and the head.
+    layer = _layer_of(name)
+    if layer >= 0:
+        return (1, layer, name)
+    return (0 if name == EMBEDDING else 2, 0, name)
+
+
+def plan_conversion(
+    source: Source,
+    layers: str = DEFAULT_LAYERS,
+    dtype: str = "auto",
+    init: str = "closed-form",
+    max_shard_size: str | int = "5GB",
+) -> ConversionPlan:
+    """Decide every output tensor and shard without reading any weight."""
+    dense = source.config
+    family = family_for(dense.model_type)
+    if init not in INITIALISERS:
+        raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
+    stem_layers = parse_layers(layers, dense.num_hidden_layers)
+    out_dtype = _resolve_dtype(dtype, source)
+    tensors = source.tensors
+    if EMBEDDING not in tensors:
+        raise ConversionError(f"{source.spec} has no {EMBEDDING}; is it a causal LM checkpoint?")
+
+    specs, producers = [], {}
+    d_ff = dense.intermediate_size
+    dropped = set()
+    for layer in stem_layers:  # the up-projection (and its bias) is what the table replaces
+        dropped |= {layer_name(layer, family.up + ".weight"), layer_name(layer, family.up + ".bias")}
+    if getattr(dense, "tie_word_embeddings", False):
+        dropped.add(LM_HEAD)  # tied: stored once, as the embedding
+    names = sorted((n for n in tensors.names() if n not in dropped), key=_order_key)
+    for position, name in enumerate(names):
+        layer = _layer_of(name)
+        kind = tensors.dtype(name)
+        shape, out_name, producer = tensors.shape(name), name, Copy(name)
+        if family.fused_gate_up and layer in stem_layers and name == layer_name(layer, family.fused_gate_up + ".weight"):
+            out_name, shape, producer = layer_name(layer, STEM_GATE + ".weight"), (d_ff, shape[1]), Copy(name, d_ff)
+        specs.append(TensorSpec(out_name, shape, out_dtype if kind.is_floating_point else kind))
+        producers[out_name] = producer
+        last_of_layer = position + 1 == len(names) or _layer_of(names[position + 1]) != layer
+        if layer in stem_layers and last_of_layer:
+            table = layer_name(layer, STEM_TABLE)
+            specs.append(TensorSpec(table, (dense.vocab_size, d_ff), out_dtype))
+            producers[table] = Table(layer)
+    if missing := [i for i in stem_layers if layer_name(i, STEM_TABLE) not in producers]:
+        raise ConversionError(f"{source.spec} has no weights for layer {missing[0]}")
+    has_bias = layer_name(stem_layers[0], STEM_GATE + ".bias") in producers
+    config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias)
+    max_bytes = convert_file_size_to_int(max_shard_size)
+    if not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ConversionError(f"--max-shard-size {max_shard_size!r} is not a size such as 5GB or 500MB")
+    shards = plan_shards(specs, max_bytes)
+    return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config)
+
+
+def _resolve_dtype(dtype: str, source: Source) -> torch.dtype:
+    if dtype == "auto":  # what the checkpoint says it is, else what its embedding is stored in
+        stored = getattr(source.config, "dtype", None) or getattr(source.config, "torch_dtype", None)
+        if isinstance(stored, str):
+            stored = DTYPES.get(stored)
+        resolved = stored if isinstance(stored, torch.dtype) else source.tensors.dtype(EMBEDDING)
+        return resolved if resolved in DTYPES.values() else torch.float32
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r} is unknown; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def stem_config(dense, family: Family, layers: list[int], init: str, dtype: torch.dtype, has_bias: bool) -> StemConfig:
+    """The STEM model's config: the dense config, flat, plus the STEM fields and auto_map."""
+    fields = dense.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "quantization_config", "_name_or_path",
+                "transformers_version", "torch_dtype", "dtype"):
+        fields.pop(key, None)
+    config = StemConfig(
+        dense_model_type=dense.model_type,
+        stem_layers=layers,
+        stem_init=init,
+        stem_activation=getattr(dense, family.activation_attr),
+        stem_mlp_bias=has_bias,
+        **fields,
+    )
+    config.dtype = _dtype_name(dtype)
+    config.auto_map = dict(AUTO_MAP)
+    config.architectures = ["StemForCausalLM"]
+    return config
+
+
+def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) -> None:
+    """Refuse, before writing anything, what would lose data or cannot finish."""
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{out} is a file; give a directory for the converted model")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConversionError(f"{out} is not empty; choose an empty directory or pass --overwrite to replace it")
+    if source.directory is not None and out.resolve() == source.directory.resolve():
+        raise ConversionError(f"{out} is the source checkpoint itself; write the STEM model elsewhere")
+    parent = _existing_parent(out)
+    free = shutil.disk_usage(parent).free
+    needed = needed_bytes + 64 * 2**20  # plus tokenizer, config and some slack
+    if free < needed:
+        raise ConversionError(
+            f"not enough disk space at {parent}: the output needs {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; "
+            f"free space, choose another OUT, or convert fewer layers with --layers"
+        )
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, progress: bool = True, command: str = "") -> Path:
+    """Write the STEM checkpoint to OUT; nothing appears at OUT unless the whole model was written."""
+    out = Path(out)
+    check_output(out, overwrite, plan.source, plan.total_bytes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        _write_weights(plan, staging, progress)
+        _write_side_files(plan, staging, command)
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress, file=sys.stderr)
+    writer = BackgroundWriter(ShardWriter(directory, plan.shards, on_bytes=bar.update))
+    try:
+        init = INITIALISERS[plan.init](plan.source, plan.family, plan.compute_dtype)
+        tensors = plan.source.tensors
+        for spec in plan.specs:
+            producer = plan.producers[spec.name]
+            if isinstance(producer, Table):
+                _write_table(plan, init.table_rows(producer.layer), spec, writer)
+            else:
+                data = tensors.get(producer.source_name)
+                if producer.rows is not None:
+                    data = data[: producer.rows]
+                writer.submit(spec.name, data.to(spec.dtype))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+
+
+def _write_table(plan: ConversionPlan, fill, spec: TensorSpec, writer: BackgroundWriter) -> None:
+    """Compute the table chunk by chunk into recycled buffers while earlier chunks are written."""
+    import queue
+
+    rows, d_ff = spec.shape
+    step = plan.chunk_rows
+    free = queue.Queue()
+    for _ in range(POOL_BUFFERS):
+        free.put(torch.empty(step, d_ff, dtype=plan.compute_dtype))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        buffer = free.get()
+        chunk = buffer[: stop - start]
+        fill(start, stop, chunk)
+        if chunk.dtype == spec.dtype:
+            writer.submit(spec.name, chunk, release=lambda _, b=buffer: free.put(b))
+        else:
+            writer.submit(spec.name, chunk.to(spec.dtype))
+            free.put(buffer)
+
+
+def _write_side_files(plan: ConversionPlan, directory: Path, command: str) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    plan.config.save_pretrained(directory)
+    for name in MODELING_FILES:
+        shutil.copyfile(MODELING_DIR / name, directory / name)
+    source = plan.source
+    try:
+        generation = GenerationConfig.from_pretrained(source.directory) if source.directory else None
+    except OSError:
+        generation = None
+    (generation or GenerationConfig.from_model_config(source.config)).save_pretrained(directory)
+    path, kwargs = source.tokenizer_args
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        print(f"warning: no tokenizer saved, the source has none that loads ({err})", file=sys.stderr)
+    else:
+        tokenizer.save_pretrained(directory)
+    (directory / "README.md").write_text(card.model_card(plan, command))
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if out.exists():  # --overwrite: swap, then delete the old model
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old)
+    else:
+        staging.rename(out)

