@@ -7,6 +7,8 @@ embedding scale). Conversion, initialisation and `inspect` read only this table.
 
 from dataclasses import dataclass
 
+from .errors import UserError
+
 
 @dataclass(frozen=True)
 class Family:
@@ -57,7 +59,7 @@ FAMILIES = (
 SUPPORTED = tuple(t for f in FAMILIES for t in f.model_types)
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(UserError):
     pass
 
 

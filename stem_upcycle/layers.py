@@ -10,13 +10,15 @@ Forms (n = number of decoder layers):
 import math
 import re
 
+from .errors import UserError
+
 # The paper's default: one third of the layers, evenly spaced. The official code converts every
 # other layer when upcycling Llama-3.2-1B, but with the data-free closed-form init every converted
 # layer costs quality, and a third is the setting the paper found better than dense when trained.
 DEFAULT_LAYERS = "1/3"
 
 
-class LayerSpecError(ValueError):
+class LayerSpecError(UserError):
     pass
 
 

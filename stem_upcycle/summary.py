@@ -1,0 +1,78 @@
+"""`stem-upcycle inspect`: what a dense or STEM checkpoint holds and costs per token."""
+
+from dataclasses import asdict, dataclass
+
+from .families import EMBEDDING, STEM_TABLE, family_for, layer_name
+from .source import Source
+
+
+@dataclass
+class Summary:
+    family: str
+    is_stem: bool
+    num_layers: int
+    stem_layers: list[int]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    params_total: int
+    params_active_per_token: int
+    ffn_flops_per_token_dense: int  # every layer dense
+    ffn_flops_per_token: int  # this checkpoint
+    bytes_on_disk: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        ratio = self.ffn_flops_per_token / self.ffn_flops_per_token_dense
+        kind = f"STEM ({len(self.stem_layers)} of {self.num_layers} layers)" if self.is_stem else "dense"
+        rows = [
+            ("model", f"{kind}, family {self.family}"),
+            ("shape", f"{self.num_layers} layers, vocab {self.vocab_size}, d {self.hidden_size}, d_ff {self.intermediate_size}"),
+            ("STEM layers", str(self.stem_layers) if self.is_stem else "none"),
+            ("parameters", f"{self.params_total / 1e6:,.1f} M in total"),
+            ("active/token", f"{self.params_active_per_token / 1e6:,.1f} M (one row of the embedding and of each table)"),
+            ("FFN FLOPs/token", f"{self.ffn_flops_per_token / 1e6:,.1f} M vs {self.ffn_flops_per_token_dense / 1e6:,.1f} M dense ({ratio:.2f}x)"),
+            ("on disk", f"{self.bytes_on_disk / 1e9:.2f} GB of weights"),
+        ]
+        return "\n".join(f"{k:<16} {v}" for k, v in rows)
+
+
+def summarize(source: Source) -> Summary:
+    cfg = source.config
+    is_stem = cfg.model_type == "stem"
+    family_name = cfg.dense_model_type if is_stem else cfg.model_type
+    family_for(family_name)  # a clear error for architectures we know nothing about
+    stem_layers = list(cfg.stem_layers) if is_stem else []
+    tensors = source.tensors
+    total = sum(_numel(tensors.shape(n)) for n in tensors.names())
+    vocab, d, d_ff = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
+    # A token reads one row of the embedding and of each table; a tied head still reads all of E.
+    tied_head = vocab * d if getattr(cfg, "tie_word_embeddings", False) and EMBEDDING in tensors else 0
+    unread = (vocab - 1) * d if EMBEDDING in tensors else 0
+    unread += sum((vocab - 1) * d_ff for i in stem_layers if layer_name(i, STEM_TABLE) in tensors)
+    layers = cfg.num_hidden_layers
+    dense_flops = 2 * 3 * d * d_ff * layers  # gate, up, down: one multiply-add each per weight
+    flops = dense_flops - 2 * d * d_ff * len(stem_layers)  # the up-projection became a lookup
+    return Summary(
+        family=family_name,
+        is_stem=is_stem,
+        num_layers=layers,
+        stem_layers=stem_layers,
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=d_ff,
+        params_total=total,
+        params_active_per_token=total - unread + tied_head,
+        ffn_flops_per_token_dense=dense_flops,
+        ffn_flops_per_token=flops,
+        bytes_on_disk=source.files_bytes,
+    )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,55 @@
+"""Tiny random dense models of every supported family, saved the way Hugging Face saves them."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+
+# Per family, what differs from COMMON; chosen to exercise each family's numerics.
+FAMILY_CONFIGS = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {},
+    "qwen3": {"head_dim": 8},
+    "gemma": {"head_dim": 8, "hidden_act": "gelu_pytorch_tanh"},
+    "gemma2": {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 4},
+    "gemma3_text": {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 4},
+    "olmo2": {},
+    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "logits_scaling": 2.0, "mlp_bias": True},
+    "phi3": {"pad_token_id": 0, "tie_word_embeddings": False},
+}
+
+
+def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):
+    """A random dense causal LM of the family, in fp32, with norm weights perturbed off 1."""
+    fields = {**COMMON, **FAMILY_CONFIGS[model_type], **overrides}
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random norms and biases, so that the init has to get them right
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.fixture
+def dense_dir(tmp_path):
+    """Factory: save a tiny dense model of a family to a directory, return (model, path)."""
+
+    def make(model_type="llama", name="dense", **overrides):
+        model = tiny_dense(model_type, **overrides)
+        path = tmp_path / name
+        model.save_pretrained(path)
+        return model, path
+
+    return make
+
+
+@pytest.fixture
+def ids():
+    torch.manual_seed(1)
+    return torch.randint(0, VOCAB, (2, 11))
