@@ -1,0 +1,152 @@
+"""The STEM model in Transformers: generation, padding, errors, training, save/load, auto classes."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+
+import stem_upcycle
+from stem_upcycle import StemConfig, StemForCausalLM
+from stem_upcycle.convert import stem_config
+from stem_upcycle.families import family_for
+
+from .conftest import VOCAB, tiny_dense
+
+
+def tiny_stem(model_type="llama", layers=(0, 2), seed=0):
+    dense = tiny_dense(model_type, seed=seed)
+    config = stem_config(dense.config, family_for(model_type), list(layers), "random", torch.float32, False)
+    torch.manual_seed(seed)
+    return StemForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3"])
+def test_cached_greedy_generation_agrees_with_one_uncached_forward(model_type, ids):
+    model = tiny_stem(model_type)
+    prompt = ids[:1, :5]
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                         pad_token_id=0)
+    with torch.no_grad():
+        greedy = model(out, use_cache=False).logits[0, prompt.shape[1] - 1 : -1].argmax(-1)
+    assert torch.equal(greedy, out[0, prompt.shape[1] :])
+
+
+def test_left_padded_batch_matches_unpadded_sequences(ids):
+    model = tiny_stem()
+    short, long = ids[0, :6], ids[1, :9]
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    batch[0, 3:], batch[1] = short, long
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        padded = model(batch, attention_mask=mask).logits
+        torch.testing.assert_close(padded[0, 3:], model(short[None]).logits[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(padded[1], model(long[None]).logits[0], rtol=1e-4, atol=1e-5)
+    generated = model.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    alone = model.generate(short[None], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(generated[0, 9:], alone[0, 6:])
+
+
+def test_inputs_embeds_without_ids_is_a_clear_error(ids):
+    model = tiny_stem()
+    with pytest.raises(ValueError, match="pass input_ids"):
+        model(inputs_embeds=model.get_input_embeddings()(ids))
+
+
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+def test_ids_outside_the_table_are_a_clear_error(bad, ids):
+    model = tiny_stem()
+    ids = ids.clone()
+    ids[0, 3] = bad
+    with pytest.raises(ValueError, match=rf"input_ids must lie in \[0, {VOCAB - 1}\]"):
+        model(ids)
+
+
+def test_backward_reaches_only_the_table_rows_of_seen_tokens(ids):
+    model = tiny_stem().train()
+    model(ids, labels=ids).loss.backward()
+    grad = model.model.layers[0].mlp.up_table.weight.grad
+    seen = torch.zeros(VOCAB, dtype=torch.bool)
+    seen[ids[:, :-1].unique()] = True  # the last position predicts nothing that has a label
+    assert grad[seen].abs().sum(-1).gt(0).all()
+    assert grad[~seen].eq(0).all()
+    assert model.model.layers[0].mlp.gate_proj.weight.grad.abs().sum() > 0
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(ids):
+    plain, checkpointed = tiny_stem().train(), tiny_stem().train()
+    checkpointed.gradient_checkpointing_enable()
+    assert checkpointed.model.layers[0].gradient_checkpointing
+    for m in (plain, checkpointed):
+        m.config.use_cache = False
+        m(ids, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_save_then_load_is_exact(tmp_path, ids):
+    model = tiny_stem("qwen3")
+    model.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert type(loaded) is type(model)
+    for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2
+        assert torch.equal(a, b), k
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_auto_model_gives_the_stem_base_model(tmp_path, ids):
+    model = tiny_stem()
+    model.save_pretrained(tmp_path / "m")
+    base = AutoModel.from_pretrained(tmp_path / "m").eval()
+    assert type(base).__name__ == "StemLlamaModel"
+    assert base.layers[2].mlp.__class__.__name__ == "StemMLP"
+    with torch.no_grad():
+        torch.testing.assert_close(
+            base(ids).last_hidden_state, model(ids, output_hidden_states=True).hidden_states[-1]
+        )
+
+
+def test_config_round_trips_and_keeps_dense_fields(tmp_path):
+    model = tiny_stem("gemma2")
+    model.config.save_pretrained(tmp_path)
+    config = StemConfig.from_pretrained(tmp_path)
+    assert config.model_type == "stem" and config.dense_model_type == "gemma2"
+    assert config.stem_layers == [0, 2] and config.stem_activation == "gelu_pytorch_tanh"
+    assert config.layer_types == model.config.layer_types
+
+
+def test_loads_with_trust_remote_code_where_stem_upcycle_cannot_be_imported(tmp_path, ids):
+    model = tiny_stem()
+    model.config.auto_map = stem_config.__globals__["AUTO_MAP"]
+    model.save_pretrained(tmp_path / "m")
+    for name in ("configuration_stem.py", "modeling_stem.py"):
+        (tmp_path / "m" / name).write_text((stem_upcycle.convert.MODELING_DIR / name).read_text())
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["stem_upcycle"] = None  # as if stem-upcycle were not installed
+        try:
+            import stem_upcycle
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("stem_upcycle is importable")
+        import torch
+        from transformers import AutoModelForCausalLM
+        data = torch.load({str(tmp_path / "expected.pt")!r})
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "m")!r}, trust_remote_code=True).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(data["ids"]).logits, data["logits"], rtol=0, atol=0)
+        print("OK", type(model).__module__.split(".")[0])
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK transformers_modules" in result.stdout
