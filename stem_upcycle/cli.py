@@ -2,7 +2,6 @@
 
 import json
 import shlex
-import sys
 
 import click
 
@@ -60,7 +59,10 @@ def convert(source, out, layers, init, dtype, max_shard_size, overwrite, dry_run
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)
         click.echo("dry run: nothing written")
         return
-    command = "stem-upcycle " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    # The command as run, with every default spelled out, for the model card.
+    words = ["stem-upcycle", "convert", source, out, "--layers", layers, "--init", init, "--dtype", dtype,
+             "--max-shard-size", str(max_shard_size)]
+    command = " ".join(shlex.quote(w) for w in words)
     run_conversion(plan, Path(out), overwrite=overwrite, progress=not quiet, command=command)
     click.echo(f"wrote {out}")
     if plan.init == "closed-form":

@@ -1,0 +1,109 @@
+"""Planning without weights: Llama-3.2-1B's real shapes, layer specs, and the shard writer."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from stem_upcycle.convert import plan_conversion
+from stem_upcycle.layers import LayerSpecError, parse_layers
+from stem_upcycle.shards import INDEX_NAME, ShardWriter, TensorSpec, index_json, plan_shards
+from stem_upcycle.source import Source, StateDictStore
+
+LLAMA_32_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    bos_token_id=128000, eos_token_id=128001, dtype="bfloat16",
+)
+
+
+@pytest.fixture(scope="module")
+def llama_1b_source():
+    config = LlamaConfig(**LLAMA_32_1B)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    return Source(spec="meta-llama/Llama-3.2-1B", config=config, tensors=StateDictStore(tensors), tokenizer_args=("", {}))
+
+
+def test_llama_32_1b_plan_has_the_expected_tables_sizes_and_index(llama_1b_source):
+    plan = plan_conversion(llama_1b_source, layers="1::2")
+    assert plan.layers == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert plan.dtype == torch.bfloat16
+    tables = plan.table_specs
+    assert [t.name for t in tables] == [f"model.layers.{i}.mlp.up_table.weight" for i in plan.layers]
+    assert all(t.shape == (128256, 8192) and t.dtype == torch.bfloat16 for t in tables)
+    assert tables[0].nbytes == 128256 * 8192 * 2 == 2_101_346_304  # 1.05B parameters, 2.1 GB
+    dense_params = 1_235_814_400  # Llama-3.2-1B with the tied head counted once
+    up_params = 8 * 8192 * 2048
+    assert plan.total_bytes == 2 * (dense_params - up_params + 8 * 128256 * 8192)
+    index = index_json(plan.shards)
+    assert index["metadata"]["total_size"] == plan.total_bytes
+    assert len(index["weight_map"]) == len(plan.specs) and "lm_head.weight" not in index["weight_map"]
+    assert all("up_proj" not in n for n in index["weight_map"] if any(f"layers.{i}." in n for i in plan.layers))
+    for shard in plan.shards:  # 5 GB shards: two tables fit, a third does not
+        assert sum(s.nbytes for s in shard) <= 5_000_000_000
+    assert plan.ram_estimate() < 6e9
+    assert plan.config.stem_layers == plan.layers and plan.config.vocab_size == 128256
+
+
+def test_llama_32_1b_default_layers_are_a_third_evenly_spaced(llama_1b_source):
+    plan = plan_conversion(llama_1b_source)
+    assert plan.layers == [1, 4, 8, 11, 14]
+
+
+@pytest.mark.parametrize("spec, n, expected", [
+    ("all", 4, [0, 1, 2, 3]),
+    ("1/3", 30, list(range(1, 30, 3))),
+    ("1/2", 16, list(range(1, 16, 2))),
+    ("1::2", 16, list(range(1, 16, 2))),
+    ("2:10:4", 16, [2, 6]),
+    ("0,4,8-11", 16, [0, 4, 8, 9, 10, 11]),
+    ("3,1,3", 16, [1, 3]),
+])
+def test_layer_specs(spec, n, expected):
+    assert parse_layers(spec, n) == expected
+
+
+@pytest.mark.parametrize("spec", ["16", "0/3", "4/3", "x", "9-2", "::0", "20:30", "1,,2"])
+def test_bad_layer_specs_name_the_valid_range(spec):
+    with pytest.raises(LayerSpecError, match="--layers"):
+        parse_layers(spec, 16)
+
+
+def test_shard_writer_round_trips_chunked_tensors(tmp_path):
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(10, 4), "b": torch.randn(7, 3).to(torch.bfloat16), "c": torch.arange(5), "d": torch.randn(3)}
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    shards = plan_shards(specs, 100)
+    written = []
+    writer = ShardWriter(tmp_path, shards, on_bytes=written.append)
+    writer.write("a", tensors["a"][:3])
+    writer.write("a", tensors["a"][3:])
+    for name in "bcd":
+        writer.write(name, tensors[name])
+    writer.close()
+    assert sum(written) == sum(s.nbytes for s in specs)
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    loaded = {}
+    for shard_name in set(index["weight_map"].values()):
+        loaded.update(load_file(tmp_path / shard_name))
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(loaded[name], tensor)
+
+
+def test_shard_writer_refuses_out_of_order_overlong_and_incomplete_writes(tmp_path):
+    specs = [TensorSpec("a", (2, 2), torch.float32), TensorSpec("b", (2,), torch.float32)]
+    writer = ShardWriter(tmp_path, plan_shards(specs, 1000))
+    with pytest.raises(RuntimeError, match="plan order"):
+        writer.write("b", torch.zeros(2))
+    with pytest.raises(RuntimeError, match="past the"):
+        writer.write("a", torch.zeros(3, 2))
+    writer.write("a", torch.zeros(2, 2))
+    with pytest.raises(RuntimeError, match="not written completely"):
+        writer.close()
