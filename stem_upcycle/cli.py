@@ -5,7 +5,9 @@ import shlex
 
 import click
 
+from .card import UNTRAINED_WARNING
 from .errors import UserError
+from .init import INITIALISERS
 from .layers import DEFAULT_LAYERS
 
 
@@ -32,8 +34,8 @@ def main():
 @click.argument("source")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--layers", default=DEFAULT_LAYERS, show_default=True,
-              help="STEM layers: all, a fraction (1/3, evenly spaced), a slice (1::2) or a list (0,4,8-11).")
-@click.option("--init", "init", type=click.Choice(["closed-form"]), default="closed-form", show_default=True,
+              help="STEM layers: all, a fraction (1/3: evenly spaced from layer 0), a slice (1::2) or a list (0,4,8-11).")
+@click.option("--init", "init", type=click.Choice(sorted(INITIALISERS)), default="closed-form", show_default=True,
               help="How the tables are initialised.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]), default="auto",
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
@@ -66,11 +68,7 @@ def convert(source, out, layers, init, dtype, max_shard_size, overwrite, dry_run
     run_conversion(plan, Path(out), overwrite=overwrite, progress=not quiet, command=command)
     click.echo(f"wrote {out}")
     if plan.init == "closed-form":
-        click.echo(
-            "note: the closed-form init is a data-free starting point; the model is not usable until "
-            "it is calibrated and trained (SmolLM2-135M, 1/3 of layers: perplexity ~8e5 vs 35 dense)",
-            err=True,
-        )
+        click.echo(f"note: {UNTRAINED_WARNING}", err=True)
 
 
 @main.command()
@@ -84,3 +82,7 @@ def inspect(path, as_json):
 
     summary = summarize(open_source(path))
     click.echo(json.dumps(summary.as_dict()) if as_json else summary.describe())
+
+
+if __name__ == "__main__":
+    main()

@@ -145,7 +145,7 @@ def test_tokenizer_chat_template_generation_config_and_card_are_carried(dense_di
 def test_dry_run_prints_the_plan_and_writes_nothing(dense_dir, tmp_path):
     _, src = dense_dir("llama")
     result = convert(src, tmp_path / "out", "--dry-run", "--layers", "1/3")
-    assert "1 of 3 layers: [1]" in result.output and "[96, 48]" in result.output and "peak RAM" in result.output
+    assert "1 of 3 layers: [0]" in result.output and "[96, 48]" in result.output and "peak RAM" in result.output
     assert not (tmp_path / "out").exists()
 
 

@@ -53,13 +53,15 @@ def test_llama_32_1b_plan_has_the_expected_tables_sizes_and_index(llama_1b_sourc
 
 def test_llama_32_1b_default_layers_are_a_third_evenly_spaced(llama_1b_source):
     plan = plan_conversion(llama_1b_source)
-    assert plan.layers == [1, 4, 8, 11, 14]
+    assert plan.layers == [0, 3, 6, 9, 12]
 
 
 @pytest.mark.parametrize("spec, n, expected", [
     ("all", 4, [0, 1, 2, 3]),
-    ("1/3", 30, list(range(1, 30, 3))),
-    ("1/2", 16, list(range(1, 16, 2))),
+    ("1/3", 30, list(range(0, 30, 3))),
+    ("1/2", 16, list(range(0, 16, 2))),
+    ("1/3", 16, [0, 3, 6, 9, 12]),
+    ("1/1", 5, [0, 1, 2, 3, 4]),
     ("1::2", 16, list(range(1, 16, 2))),
     ("2:10:4", 16, [2, 6]),
     ("0,4,8-11", 16, [0, 4, 8, 9, 10, 11]),

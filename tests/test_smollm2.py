@@ -49,7 +49,7 @@ def test_converted_smollm2_loads_in_a_fresh_process_without_stem_upcycle_and_cha
 
 def test_converted_smollm2_layout_and_inspect(converted):
     config = json.loads((converted / "config.json").read_text())
-    assert config["dense_model_type"] == "llama" and config["stem_layers"] == list(range(1, 30, 3))
+    assert config["dense_model_type"] == "llama" and config["stem_layers"] == list(range(0, 30, 3))
     assert (converted / "chat_template.jinja").exists() or "chat_template" in (converted / "tokenizer_config.json").read_text()
     card = (converted / "README.md").read_text()
     assert "license: apache-2.0" in card and ALIASES["smollm2-135m"][0] not in card
