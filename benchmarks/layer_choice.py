@@ -37,7 +37,7 @@ def stem_model(source, plan):
     dense = {n: source.tensors.get(n) for n in source.tensors.names()}
     missing, unexpected = model.load_state_dict(dense, strict=False)
     assert all("up_table" in m or m == "lm_head.weight" for m in missing), missing  # tables come next
-    init = INITIALISERS[plan.init](source, plan.family, torch.float32)
+    init = INITIALISERS[plan.init](source, plan.family)
     for layer in plan.layers:
         table = model.get_submodule(layer_name(layer, STEM_TABLE)[: -len(".weight")]).weight
         with torch.no_grad():

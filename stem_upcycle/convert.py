@@ -7,6 +7,7 @@ Everything goes into a temporary directory beside OUT that is moved into place o
 """
 
 import os
+import queue
 import shutil
 import sys
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ AUTO_MAP = {
 CHUNK_BYTES = 64 * 2**20  # rows of a table computed at once
 POOL_BUFFERS = 3  # chunk buffers in circulation: one computing, up to two queued for the disk
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# Tables are computed in fp32 and cast when written. Measured on this project's AVX2 CPU (no native
+# bf16): fp32 mm ~100 GFLOP/s, bf16 1-15 GFLOP/s depending on layout, fp16 slower still.
+COMPUTE_DTYPE = torch.float32
 
 
 class ConversionError(UserError):
@@ -66,12 +70,6 @@ class ConversionPlan:
     config: StemConfig
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        # Tables are computed in fp32 and cast when written. Measured on this project's AVX2 CPU
-        # (no native bf16): fp32 mm ~100 GFLOP/s, bf16 1-15 GFLOP/s depending on layout, fp16 worse.
-        return torch.float32
-
-    @property
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
@@ -81,19 +79,18 @@ class ConversionPlan:
 
     @property
     def chunk_rows(self) -> int:
-        return max(1, CHUNK_BYTES // (self.config.intermediate_size * self.compute_dtype.itemsize))
+        return max(1, CHUNK_BYTES // (self.config.intermediate_size * COMPUTE_DTYPE.itemsize))
 
     def ram_estimate(self) -> int:
         """Peak bytes held: the embedding, chunk buffers, one W_up, two dense tensors in flight."""
         tensors = self.source.tensors
         cfg = self.config
         embedding = tensors.nbytes(EMBEDDING)
-        chunk = self.chunk_rows * cfg.intermediate_size * self.compute_dtype.itemsize
-        up = cfg.intermediate_size * cfg.hidden_size * (4 + self.compute_dtype.itemsize)
+        chunk = self.chunk_rows * cfg.intermediate_size * COMPUTE_DTYPE.itemsize
+        up = cfg.intermediate_size * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
         largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], Table))
-        in_memory = self.source.files_bytes * 4 if self.source.extra.get("gguf") else 0  # dequantised fp32
         runtime = 600 * 2**20  # Python, torch and transformers themselves
-        return embedding + (POOL_BUFFERS + 1) * chunk + up + 3 * largest + in_memory + runtime
+        return embedding + (POOL_BUFFERS + 1) * chunk + up + 3 * largest + self.source.in_memory_bytes + runtime
 
     def describe(self) -> str:
         cfg, gb = self.config, 1e9
@@ -259,7 +256,7 @@ def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> Non
     bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress, file=sys.stderr)
     writer = BackgroundWriter(ShardWriter(directory, plan.shards, on_bytes=bar.update))
     try:
-        init = INITIALISERS[plan.init](plan.source, plan.family, plan.compute_dtype)
+        init = INITIALISERS[plan.init](plan.source, plan.family)
         tensors = plan.source.tensors
         for spec in plan.specs:
             producer = plan.producers[spec.name]
@@ -280,13 +277,11 @@ def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> Non
 
 def _write_table(plan: ConversionPlan, fill, spec: TensorSpec, writer: BackgroundWriter) -> None:
     """Compute the table chunk by chunk into recycled buffers while earlier chunks are written."""
-    import queue
-
     rows, d_ff = spec.shape
     step = plan.chunk_rows
     free = queue.Queue()
     for _ in range(POOL_BUFFERS):
-        free.put(torch.empty(step, d_ff, dtype=plan.compute_dtype))
+        free.put(torch.empty(step, d_ff, dtype=COMPUTE_DTYPE))
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         buffer = free.get()
@@ -315,8 +310,8 @@ def _write_side_files(plan: ConversionPlan, directory: Path, command: str) -> No
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"warning: no tokenizer saved, the source has none that loads ({first_line})", file=sys.stderr)
+        reason = " ".join(str(err).split())[:300] or type(err).__name__
+        print(f"warning: the output has no tokenizer: none could be loaded from the source ({reason})", file=sys.stderr)
     else:
         tokenizer.save_pretrained(directory)
     (directory / "README.md").write_text(card.model_card(plan, command))

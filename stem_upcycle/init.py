@@ -12,7 +12,7 @@ import torch
 from .families import EMBEDDING, Family, embed_multiplier, layer_name
 from .source import Source
 
-RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out[stop - start, d_ff])
+RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [stop - start, d_ff])
 
 
 class TableInit(Protocol):
@@ -43,16 +43,16 @@ class ClosedFormInit:
     name = "closed-form"
     description = "closed form W_up · norm(E[v]) (data-free; needs recovery training)"
 
-    def __init__(self, source: Source, family: Family, compute_dtype: torch.dtype):
-        self.source, self.family, self.compute_dtype = source, family, compute_dtype
+    def __init__(self, source: Source, family: Family):
+        self.source, self.family = source, family
         self.embedding = source.tensors.get(EMBEDDING)  # [vocab, d], kept in its stored dtype
         self.scale = embed_multiplier(family, source.config)
         self.eps = float(getattr(source.config, "rms_norm_eps", 1e-6))
 
     def table_rows(self, layer: int) -> RowsFn:
         up, bias = up_projection(self.source, self.family, layer)
-        up_t = up.to(self.compute_dtype).t().contiguous()  # [d, d_ff]
-        bias = None if bias is None else bias.to(self.compute_dtype)
+        up_t = up.float().t().contiguous()  # [d, d_ff]
+        bias = None if bias is None else bias.float()
         norm = None
         if self.family.pre_mlp_norm:
             norm = self.source.tensors.get(layer_name(layer, self.family.pre_mlp_norm + ".weight")).float()
@@ -62,7 +62,7 @@ class ClosedFormInit:
             x = self.embedding[start:stop].float() * self.scale  # [rows, d]
             if norm is not None:  # RMSNorm in fp32, as the families compute it
                 x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * norm
-            torch.mm(x.to(self.compute_dtype), up_t, out=out)  # [rows, d_ff]
+            torch.mm(x, up_t, out=out)  # [rows, d_ff], fp32
             if bias is not None:
                 out += bias
 

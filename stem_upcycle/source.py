@@ -9,7 +9,7 @@ import importlib.util
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,9 +42,6 @@ class TensorStore:
 
     def get(self, name: str) -> torch.Tensor:
         raise NotImplementedError
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self.get(name)[start:stop]
 
     def nbytes(self, name: str) -> int:
         return math.prod(self.shape(name)) * self.dtype(name).itemsize
@@ -82,9 +79,6 @@ class SafetensorsStore(TensorStore):
     def get(self, name):
         return self._where[name].get_tensor(name)
 
-    def rows(self, name, start, stop):
-        return self._where[name].get_slice(name)[start:stop]
-
 
 class StateDictStore(TensorStore):
     """Tensors already materialised (or memory-mapped by torch.load) in a dict."""
@@ -119,7 +113,7 @@ class Source:
     directory: Path | None = None  # where generation_config.json etc. may be found
     license: str | None = None
     files_bytes: int = 0  # bytes of the weight files on disk
-    extra: dict = field(default_factory=dict)
+    in_memory_bytes: int = 0  # bytes the source holds in RAM (a dequantised GGUF model)
 
 
 def open_source(spec: str) -> Source:
@@ -241,7 +235,7 @@ def _open_gguf(path: Path, spec: str) -> Source:
         directory=None,
         license=_gguf_license(path),
         files_bytes=path.stat().st_size,
-        extra={"gguf": True},
+        in_memory_bytes=sum(t.nbytes for t in tensors.values()),
     )
 
 

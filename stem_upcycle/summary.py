@@ -1,5 +1,6 @@
 """`stem-upcycle inspect`: what a dense or STEM checkpoint holds and costs per token."""
 
+import math
 from dataclasses import asdict, dataclass
 
 from .families import EMBEDDING, STEM_TABLE, family_for, layer_name
@@ -46,7 +47,7 @@ def summarize(source: Source) -> Summary:
     family_for(family_name)  # a clear error for architectures we know nothing about
     stem_layers = list(cfg.stem_layers) if is_stem else []
     tensors = source.tensors
-    total = sum(_numel(tensors.shape(n)) for n in tensors.names())
+    total = sum(math.prod(tensors.shape(n)) for n in tensors.names())
     vocab, d, d_ff = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
     # A token reads one row of the embedding and of each table; a tied head still reads all of E.
     tied_head = vocab * d if getattr(cfg, "tie_word_embeddings", False) and EMBEDDING in tensors else 0
@@ -69,10 +70,3 @@ def summarize(source: Source) -> Summary:
         ffn_flops_per_token=flops,
         bytes_on_disk=source.files_bytes,
     )
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
