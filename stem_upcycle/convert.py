@@ -32,6 +32,10 @@ AUTO_MAP = {
     "AutoModel": "modeling_stem.StemModel",
     "AutoModelForCausalLM": "modeling_stem.StemForCausalLM",
 }
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+)
 CHUNK_BYTES = 64 * 2**20  # rows of a table computed at once
 POOL_BUFFERS = 3  # chunk buffers in circulation: one computing, up to two queued for the disk
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -295,7 +299,7 @@ def _write_table(plan: ConversionPlan, fill, spec: TensorSpec, writer: Backgroun
 
 
 def _write_side_files(plan: ConversionPlan, directory: Path, command: str) -> None:
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     plan.config.save_pretrained(directory)
     for name in MODELING_FILES:
@@ -306,15 +310,23 @@ def _write_side_files(plan: ConversionPlan, directory: Path, command: str) -> No
     except OSError:
         generation = None
     (generation or GenerationConfig.from_model_config(source.config)).save_pretrained(directory)
-    path, kwargs = source.tokenizer_args
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as err:
-        reason = " ".join(str(err).split())[:300] or type(err).__name__
-        print(f"warning: the output has no tokenizer: none could be loaded from the source ({reason})", file=sys.stderr)
-    else:
-        tokenizer.save_pretrained(directory)
+    _write_tokenizer(source, directory)
     (directory / "README.md").write_text(card.model_card(plan, command))
+
+
+def _write_tokenizer(source: Source, directory: Path) -> None:
+    """Copy a directory's tokenizer files verbatim; a GGUF file's tokenizer is rebuilt and saved."""
+    if source.directory is not None:
+        found = [f for f in TOKENIZER_FILES if (source.directory / f).exists()]
+        for name in found:
+            shutil.copyfile(source.directory / name, directory / name)
+        if not found:
+            print(f"warning: {source.spec} has no tokenizer files; the output has none either", file=sys.stderr)
+        return
+    from transformers import AutoTokenizer
+
+    path, kwargs = source.tokenizer_args
+    AutoTokenizer.from_pretrained(path, **kwargs).save_pretrained(directory)
 
 
 def _move_into_place(staging: Path, out: Path) -> None:
