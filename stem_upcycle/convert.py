@@ -151,7 +151,8 @@ def plan_conversion(
     d_ff = dense.intermediate_size
     dropped = set()
     for layer in stem_layers:  # the up-projection (and its bias) is what the table replaces
-        dropped |= {layer_name(layer, family.up + ".weight"), layer_name(layer, family.up + ".bias")}
+        if not family.fused_gate_up:  # a fused gate_up is cut to its gate rows below
+            dropped |= {layer_name(layer, family.up + ".weight"), layer_name(layer, family.up + ".bias")}
     if getattr(dense, "tie_word_embeddings", False):
         dropped.add(LM_HEAD)  # tied: stored once, as the embedding
     names = sorted((n for n in tensors.names() if n not in dropped), key=_order_key)
