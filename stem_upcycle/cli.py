@@ -2,6 +2,7 @@
 
 import json
 import shlex
+import sys
 
 import click
 
@@ -86,3 +87,30 @@ def inspect(path, as_json):
 
 if __name__ == "__main__":
     main()
+
+
+@main.command("eval")
+@click.argument("model")
+@click.option("--data", "files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Plain-text file to score; repeat for several.")
+@click.option("--reference", help="Dense model to compare with (any SOURCE form convert accepts).")
+@click.option("--window", default=512, show_default=True, help="Tokens per scored window.")
+@click.option("--max-tokens", type=int, help="Score only the first N tokens of the text.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@_fail_cleanly
+def evaluate(model, files, reference, window, max_tokens, as_json, quiet):
+    """Perplexity of MODEL on held-out text; with --reference, ratio, KL and top-1 agreement."""
+    from tqdm.auto import tqdm
+
+    from . import evaluate as ev
+
+    lm, source = ev.load_model(model)
+    ids = ev.read_token_ids(list(files), ev.load_tokenizer(source), max_tokens)
+    ref = None
+    if reference:
+        ref, _ = ev.load_model(reference)
+        ev.check_same_vocabulary(lm, ref, model, reference)
+    progress = None if quiet else (lambda it: tqdm(it, desc="eval", unit="window", file=sys.stderr))
+    result = ev.evaluate(lm, ids, window=window, reference=ref, progress=progress)
+    click.echo(json.dumps(result) if as_json else ev.describe(result, model, reference))

@@ -36,6 +36,20 @@ def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def save_tiny_tokenizer(path):
+    """A word-level tokenizer: "w0".."w93" are ids 0-93, <eos> 94, <unk> 95; with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 2)} | {"<eos>": VOCAB - 2, "<unk>": VOCAB - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
 @pytest.fixture
 def dense_dir(tmp_path):
     """Factory: save a tiny dense model of a family to a directory, return (model, path)."""

@@ -15,7 +15,7 @@ import stem_upcycle.convert as convert_module
 from stem_upcycle.cli import main
 from stem_upcycle.shards import INDEX_NAME
 
-from .conftest import COMMON, VOCAB, tiny_dense
+from .conftest import COMMON, VOCAB, save_tiny_tokenizer
 
 
 def run_cli(*args):
@@ -119,16 +119,8 @@ def test_uncached_hub_id_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_tokenizer_chat_template_generation_config_and_card_are_carried(dense_dir, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     _, src = dense_dir("llama")
-    vocab = {f"w{i}": i for i in range(VOCAB - 1)} | {"<unk>": VOCAB - 1}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="w2")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tokenizer.save_pretrained(src)
+    tokenizer = save_tiny_tokenizer(src)
     (src / "README.md").write_text("---\nlicense: mit\n---\n# tiny\n")
 
     convert(src, tmp_path / "out", "--layers", "all")

@@ -1,0 +1,103 @@
+"""`stem-upcycle eval`: perplexity on held-out text, and agreement with a reference model.
+
+Text is tokenised once and cut into fixed, non-overlapping windows; every window is scored on its
+own (no context carried across windows), so figures are comparable between models that share a
+tokenizer, whatever their architecture.
+"""
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UserError
+from .source import Source, open_source
+
+
+class EvalError(UserError):
+    pass
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32):
+    """(model, source) for any SOURCE form `convert` accepts, STEM checkpoints included."""
+    source = open_source(spec)
+    return model_from_source(source, dtype), source
+
+
+def model_from_source(source: Source, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    if source.directory is not None:
+        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype)
+    else:  # GGUF: the source already holds the dequantised weights
+        model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
+        missing, _ = model.load_state_dict({n: source.tensors.get(n) for n in source.tensors.names()}, strict=False)
+        if set(missing) - {"lm_head.weight"}:
+            raise EvalError(f"{source.spec} lacks weights: {sorted(missing)[:3]}")
+        model.tie_weights()
+    return model.eval()
+
+
+def load_tokenizer(source: Source):
+    from transformers import AutoTokenizer
+
+    path, kwargs = source.tokenizer_args
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except Exception as err:  # any failure means the same to the user: there is no usable tokenizer
+        raise EvalError(f"{source.spec} has no tokenizer that loads; eval needs one to read text ({type(err).__name__})") from None
+
+
+def read_token_ids(files: list[str], tokenizer, max_tokens: int | None) -> torch.Tensor:
+    text = "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+
+
+def evaluate(model, ids: torch.Tensor, window: int = 512, reference=None, progress=None) -> dict:
+    """Perplexity of `model` on `ids` in windows; with `reference`, also KL(ref || model) and top-1 agreement."""
+    if ids.numel() < window:
+        raise EvalError(f"the text has {ids.numel()} tokens, fewer than one window of {window}; give more text or a smaller --window")
+    nll = ref_nll = kl = agree = 0.0
+    tokens = 0
+    starts = range(0, ids.numel() - window + 1, window)
+    with torch.no_grad():
+        for start in starts if progress is None else progress(starts):
+            chunk = ids[start : start + window][None]  # [1, window]
+            targets = chunk[0, 1:]  # each position predicts the next token
+            logp = F.log_softmax(model(chunk).logits[0, :-1].float(), -1)  # [window - 1, vocab]
+            nll += F.nll_loss(logp, targets, reduction="sum").item()
+            tokens += targets.numel()
+            if reference is not None:
+                ref_logp = F.log_softmax(reference(chunk).logits[0, :-1].float(), -1)
+                ref_nll += F.nll_loss(ref_logp, targets, reduction="sum").item()
+                kl += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
+                agree += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+    result = {"ppl": math.exp(nll / tokens), "tokens": tokens, "window": window}
+    if reference is not None:
+        result.update(
+            ref_ppl=math.exp(ref_nll / tokens),
+            ppl_ratio=math.exp((nll - ref_nll) / tokens),
+            kl=kl / tokens,
+            top1_agreement=agree / tokens,
+        )
+    return result
+
+
+def check_same_vocabulary(model, reference, model_spec: str, reference_spec: str) -> None:
+    a, b = model.config.vocab_size, reference.config.vocab_size
+    if a != b:
+        raise EvalError(f"{model_spec} has a vocabulary of {a} and {reference_spec} one of {b}; a reference must share the tokenizer")
+
+
+def describe(result: dict, model_spec: str, reference_spec: str | None) -> str:
+    lines = [f"{'perplexity':<16} {result['ppl']:.4g}  ({model_spec}, {result['tokens']} tokens, windows of {result['window']})"]
+    if reference_spec:
+        lines += [
+            f"{'reference':<16} {result['ref_ppl']:.4g}  ({reference_spec})",
+            f"{'ratio':<16} {result['ppl_ratio']:.4g}x",
+            f"{'KL(ref||model)':<16} {result['kl']:.4g} nats/token",
+            f"{'top-1 agreement':<16} {result['top1_agreement']:.1%}",
+        ]
+    return "\n".join(lines)

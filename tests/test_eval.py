@@ -1,0 +1,95 @@
+"""`stem-upcycle eval`: perplexity in windows, and KL / top-1 agreement against a reference."""
+
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+import stem_upcycle  # noqa: F401
+from stem_upcycle.cli import main
+from stem_upcycle.evaluate import evaluate, load_model
+
+from .conftest import save_tiny_tokenizer
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def text_file(tmp_path, n_words=200, seed=0):
+    torch.manual_seed(seed)
+    words = " ".join(f"w{i}" for i in torch.randint(0, 94, (n_words,)).tolist())
+    path = tmp_path / f"text{seed}.txt"
+    path.write_text(words)
+    return path
+
+
+def test_perplexity_is_the_mean_nll_over_windows(dense_dir, tmp_path):
+    dense, src = dense_dir("llama")
+    save_tiny_tokenizer(src)
+    text = text_file(tmp_path)
+    result = json.loads(run_cli("eval", src, "--data", text, "--window", 50, "--json", "--quiet").stdout)
+    ids = torch.tensor([int(w[1:]) for w in text.read_text().split()])
+    with torch.no_grad():  # four windows of 50 tokens, each predicting 49
+        losses = [dense(ids[s : s + 50][None], labels=ids[s : s + 50][None]).loss for s in range(0, 200, 50)]
+    assert result["tokens"] == 4 * 49
+    assert math.isclose(result["ppl"], math.exp(torch.stack(losses).mean().item()), rel_tol=1e-5)
+    assert "ref_ppl" not in result
+
+
+def test_a_model_against_itself_agrees_fully(dense_dir, tmp_path):
+    _, src = dense_dir("llama")
+    save_tiny_tokenizer(src)
+    result = json.loads(run_cli("eval", src, "--data", text_file(tmp_path), "--reference", src, "--window", 40,
+                                "--json", "--quiet").stdout)
+    assert result["ppl_ratio"] == 1.0 and result["ref_ppl"] == result["ppl"]
+    assert abs(result["kl"]) < 1e-6 and result["top1_agreement"] == 1.0
+
+
+def test_stem_model_against_its_dense_reference(dense_dir, tmp_path):
+    dense, src = dense_dir("llama")
+    save_tiny_tokenizer(src)
+    out = tmp_path / "stem"
+    assert run_cli("convert", src, out, "--layers", "1", "--quiet").exit_code == 0
+    result = json.loads(run_cli("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40,
+                                "--json", "--quiet").stdout)
+    model, _ = load_model(str(out))
+    ids = torch.tensor([int(w[1:]) for w in text_file(tmp_path).read_text().split()])
+    chunk = ids[:40][None]
+    with torch.no_grad():
+        p, q = F.log_softmax(dense(chunk).logits[0, :-1], -1), F.log_softmax(model(chunk).logits[0, :-1], -1)
+    assert result["kl"] > 0 and 0 <= result["top1_agreement"] <= 1
+    assert math.isclose(result["ppl_ratio"], result["ppl"] / result["ref_ppl"], rel_tol=1e-6)
+    first_window_kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    assert first_window_kl > 0  # the converted layer changes the distribution
+    text = run_cli("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40, "--quiet").output
+    assert "top-1 agreement" in text and "ratio" in text
+
+
+def test_evaluate_refuses_text_shorter_than_a_window(dense_dir, tmp_path):
+    _, src = dense_dir("llama")
+    save_tiny_tokenizer(src)
+    result = run_cli("eval", src, "--data", text_file(tmp_path, n_words=30), "--window", 64)
+    assert result.exit_code == 1 and "fewer than one window of 64" in result.output
+
+
+def test_reference_with_another_vocabulary_is_refused(dense_dir, tmp_path):
+    _, src = dense_dir("llama")
+    save_tiny_tokenizer(src)
+    _, other = dense_dir("llama", name="other", vocab_size=128)
+    result = run_cli("eval", src, "--data", text_file(tmp_path), "--reference", other)
+    assert result.exit_code == 1 and "must share the tokenizer" in result.output
+
+
+def test_model_without_tokenizer_is_a_clear_error(dense_dir, tmp_path):
+    _, src = dense_dir("llama")
+    result = run_cli("eval", src, "--data", text_file(tmp_path))
+    assert result.exit_code == 1 and "has no tokenizer that loads" in result.output
+
+
+def test_evaluate_function_matches_cli_figures(dense_dir, tmp_path):
+    dense, _ = dense_dir("llama")
+    ids = torch.arange(90) % 94
+    assert evaluate(dense.eval(), ids, window=30)["tokens"] == 3 * 29
