@@ -1,6 +1,6 @@
 """The README model card written next to a converted model."""
 
-from .init import INITIALISERS
+from .initialisers import INITIALISERS
 
 # Measured with benchmarks/layer_choice.py (held-out Hamlet + Macbeth, 4096 tokens).
 UNTRAINED_WARNING = (

@@ -8,7 +8,7 @@ import click
 
 from .card import UNTRAINED_WARNING
 from .errors import UserError
-from .init import INITIALISERS
+from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS
 
 
@@ -38,6 +38,10 @@ def main():
               help="STEM layers: all, a fraction (1/3: evenly spaced from layer 0), a slice (1::2) or a list (0,4,8-11).")
 @click.option("--init", "init", type=click.Choice(sorted(INITIALISERS)), default="closed-form", show_default=True,
               help="How the tables are initialised.")
+@click.option("--calib-data", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Plain-text calibration file for --init calib / calib-mean; repeat for several.")
+@click.option("--calib-tokens", default=131072, show_default=True, help="Calibration tokens read, at most.")
+@click.option("--calib-seq-len", default=512, show_default=True, help="Tokens per calibration forward.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]), default="auto",
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
@@ -45,7 +49,8 @@ def main():
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def convert(source, out, layers, init, dtype, max_shard_size, overwrite, dry_run, quiet):
+def convert(source, out, layers, init, calib_data, calib_tokens, calib_seq_len, dtype, max_shard_size, overwrite,
+            dry_run, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id already in the local cache, a .gguf file,
@@ -56,7 +61,9 @@ def convert(source, out, layers, init, dtype, max_shard_size, overwrite, dry_run
     from .convert import check_output, plan_conversion, run_conversion
     from .source import open_source
 
-    plan = plan_conversion(open_source(source), layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size)
+    options = {"calib_data": list(calib_data), "calib_tokens": calib_tokens, "calib_seq_len": calib_seq_len}
+    plan = plan_conversion(open_source(source), layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
+                           init_options=options)
     click.echo(plan.describe())
     if dry_run:
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)
@@ -65,6 +72,9 @@ def convert(source, out, layers, init, dtype, max_shard_size, overwrite, dry_run
     # The command as run, with every default spelled out, for the model card.
     words = ["stem-upcycle", "convert", source, out, "--layers", layers, "--init", init, "--dtype", dtype,
              "--max-shard-size", str(max_shard_size)]
+    if calib_data:
+        words += [w for f in calib_data for w in ("--calib-data", f)]
+        words += ["--calib-tokens", str(calib_tokens), "--calib-seq-len", str(calib_seq_len)]
     command = " ".join(shlex.quote(w) for w in words)
     run_conversion(plan, Path(out), overwrite=overwrite, progress=not quiet, command=command)
     click.echo(f"wrote {out}")

@@ -6,6 +6,7 @@ computed in chunks of vocabulary rows and written as they are computed, on a wri
 Everything goes into a temporary directory beside OUT that is moved into place only when complete.
 """
 
+import math
 import os
 import queue
 import shutil
@@ -19,7 +20,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from . import card
 from .errors import UserError
 from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE, Family, family_for, layer_name
-from .init import INITIALISERS
+from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS, parse_layers
 from .modeling import StemConfig
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
@@ -72,6 +73,7 @@ class ConversionPlan:
     producers: dict  # output name -> Copy | Table
     shards: list[list[TensorSpec]]
     config: StemConfig
+    init_options: dict  # e.g. calib_data, calib_tokens, calib_seq_len for the calibrated inits
 
     @property
     def total_bytes(self) -> int:
@@ -94,6 +96,11 @@ class ConversionPlan:
         up = cfg.intermediate_size * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
         largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], Table))
         runtime = 600 * 2**20  # Python, torch and transformers themselves
+        if getattr(INITIALISERS[self.init], "needs_data", False):  # the dense model in fp32, accumulators
+            from .calibrate import CALIB_MEMORY_BYTES
+
+            params = sum(math.prod(tensors.shape(n)) for n in tensors.names())
+            runtime += 4 * params + CALIB_MEMORY_BYTES
         return embedding + (POOL_BUFFERS + 1) * chunk + up + 3 * largest + self.source.in_memory_bytes + runtime
 
     def describe(self) -> str:
@@ -135,12 +142,16 @@ def plan_conversion(
     dtype: str = "auto",
     init: str = "closed-form",
     max_shard_size: str | int = "5GB",
+    init_options: dict | None = None,
 ) -> ConversionPlan:
     """Decide every output tensor and shard without reading any weight."""
     dense = source.config
     family = family_for(dense.model_type)
     if init not in INITIALISERS:
         raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
+    init_options = dict(init_options or {})
+    if getattr(INITIALISERS[init], "needs_data", False) and not init_options.get("calib_data"):
+        raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text)")
     stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = _resolve_dtype(dtype, source)
     tensors = source.tensors
@@ -177,7 +188,7 @@ def plan_conversion(
     if not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ConversionError(f"--max-shard-size {max_shard_size!r} is not a size such as 5GB or 500MB")
     shards = plan_shards(specs, max_bytes)
-    return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config)
+    return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config, init_options)
 
 
 def _resolve_dtype(dtype: str, source: Source) -> torch.dtype:
@@ -261,7 +272,7 @@ def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> Non
     bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress, file=sys.stderr)
     writer = BackgroundWriter(ShardWriter(directory, plan.shards, on_bytes=bar.update))
     try:
-        init = INITIALISERS[plan.init](plan.source, plan.family)
+        init = INITIALISERS[plan.init](plan)
         tensors = plan.source.tensors
         for spec in plan.specs:
             producer = plan.producers[spec.name]

@@ -1,8 +1,8 @@
 """Table initialisers: how the rows of a new STEM table are computed.
 
-An initialiser is built from the opened source and answers, per STEM layer, a function that fills
+An initialiser is built from the conversion plan and answers, per STEM layer, a function that fills
 rows [start, stop) of that layer's table into a given buffer. Conversion streams those rows to disk
-chunk by chunk, so an initialiser never returns a whole table. Register new ones in INITIALISERS.
+chunk by chunk, so an initialiser never returns a whole table. The registry is `initialisers.py`.
 """
 
 from typing import Callable, Protocol
@@ -16,22 +16,31 @@ RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [st
 
 
 class TableInit(Protocol):
+    """Built from the conversion plan (source, family, layers, init_options); fills table rows."""
+
     name: str
     description: str
 
     def table_rows(self, layer: int) -> RowsFn: ...
 
 
-def up_projection(source: Source, family: Family, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layer's dense W_up [d_ff, d] and its bias, splitting Phi-3's fused gate_up."""
+def mlp_projections(source: Source, family: Family, layer: int) -> dict[str, torch.Tensor | None]:
+    """The layer's dense gate and up weights [d_ff, d] and biases; Phi-3's fused gate_up is split."""
     tensors = source.tensors
     if family.fused_gate_up:
         fused = tensors.get(layer_name(layer, family.fused_gate_up + ".weight"))
         d_ff = fused.shape[0] // 2
-        return fused[d_ff:], None  # gate rows come first
-    bias_name = layer_name(layer, family.up + ".bias")
-    bias = tensors.get(bias_name) if bias_name in tensors else None
-    return tensors.get(layer_name(layer, family.up + ".weight")), bias
+        return {"gate": fused[:d_ff], "gate_bias": None, "up": fused[d_ff:], "up_bias": None}  # gate rows first
+
+    def get(name):
+        return tensors.get(name) if name in tensors else None
+
+    return {
+        "gate": get(layer_name(layer, family.gate + ".weight")),
+        "gate_bias": get(layer_name(layer, family.gate + ".bias")),
+        "up": get(layer_name(layer, family.up + ".weight")),
+        "up_bias": get(layer_name(layer, family.up + ".bias")),
+    }
 
 
 class ClosedFormInit:
@@ -43,30 +52,28 @@ class ClosedFormInit:
     name = "closed-form"
     description = "closed form W_up · norm(E[v]) (data-free; needs recovery training)"
 
-    def __init__(self, source: Source, family: Family):
-        self.source, self.family = source, family
-        self.embedding = source.tensors.get(EMBEDDING)  # [vocab, d], kept in its stored dtype
-        self.scale = embed_multiplier(family, source.config)
-        self.eps = float(getattr(source.config, "rms_norm_eps", 1e-6))
+    def __init__(self, plan):
+        self.source, self.family = plan.source, plan.family
+        self.embedding = self.source.tensors.get(EMBEDDING)  # [vocab, d], kept in its stored dtype
+        self.scale = embed_multiplier(self.family, self.source.config)
+        self.eps = float(getattr(self.source.config, "rms_norm_eps", 1e-6))
+
+    def mlp_inputs(self, layer: int, embeddings: torch.Tensor) -> torch.Tensor:
+        """norm_l(scale * E[v]) in fp32 for rows E[v]: layer l's MLP input if attention added nothing."""
+        x = embeddings.float() * self.scale  # [rows, d]
+        if self.family.pre_mlp_norm:  # RMSNorm in fp32, as the families compute it
+            norm = self.source.tensors.get(layer_name(layer, self.family.pre_mlp_norm + ".weight")).float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (norm + self.family.norm_offset)
+        return x
 
     def table_rows(self, layer: int) -> RowsFn:
-        up, bias = up_projection(self.source, self.family, layer)
-        up_t = up.float().t().contiguous()  # [d, d_ff]
-        bias = None if bias is None else bias.float()
-        norm = None
-        if self.family.pre_mlp_norm:
-            norm = self.source.tensors.get(layer_name(layer, self.family.pre_mlp_norm + ".weight")).float()
-            norm = norm + self.family.norm_offset
+        weights = mlp_projections(self.source, self.family, layer)
+        up_t = weights["up"].float().t().contiguous()  # [d, d_ff]
+        bias = None if weights["up_bias"] is None else weights["up_bias"].float()
 
         def fill(start: int, stop: int, out: torch.Tensor) -> None:
-            x = self.embedding[start:stop].float() * self.scale  # [rows, d]
-            if norm is not None:  # RMSNorm in fp32, as the families compute it
-                x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * norm
-            torch.mm(x, up_t, out=out)  # [rows, d_ff], fp32
+            torch.mm(self.mlp_inputs(layer, self.embedding[start:stop]), up_t, out=out)  # [rows, d_ff], fp32
             if bias is not None:
                 out += bias
 
         return fill
-
-
-INITIALISERS = {ClosedFormInit.name: ClosedFormInit}

@@ -1,0 +1,138 @@
+"""Calibrated table initialisation: the dense model's own up-projections, averaged per token.
+
+The dense model reads a calibration corpus; at every STEM layer and every position, the MLP input
+x gives the up-projection u = W_up x and the gate s = act(W_gate x). A token's row is the
+gate-weighted mean sum s^2 * u / sum s^2 (elementwise), which minimises the error of s * U against
+s * u before the down-projection (`calib`), or the plain mean of u (`calib-mean`). Tokens the
+corpus never shows get a row from a ridge fit, per layer, of the calibrated rows on the
+closed-form inputs norm_l(E[v]) of the tokens that were seen.
+
+Accumulators hold one row per distinct calibration token and layer; when they exceed the memory
+budget the layers are calibrated in groups, one pass over the corpus per group.
+"""
+
+import sys
+
+import torch
+from transformers.activations import ACT2FN
+
+from .errors import UserError
+from .evaluate import load_tokenizer, model_from_source, read_token_ids
+from .init import ClosedFormInit, RowsFn, mlp_projections
+
+CALIB_MEMORY_BYTES = 2 * 2**30  # accumulators held at once, all layers of a pass together
+RIDGE = 1e-3  # ridge strength, relative to the mean eigenvalue of X^T X
+
+
+class CalibrationError(UserError):
+    pass
+
+
+class _StopForward(Exception):
+    """Raised after the last STEM layer of a pass: later layers are not needed."""
+
+
+class CalibratedInit(ClosedFormInit):
+    name = "calib"
+    description = "gate-weighted mean of W_up x per token over calibration text; unseen tokens from a ridge fit"
+    gate_weighted = True
+    needs_data = True
+
+    def __init__(self, plan):
+        super().__init__(plan)
+        options = plan.init_options
+        files = options["calib_data"]
+        seq_len = options.get("calib_seq_len", 512)
+        tokenizer = load_tokenizer(self.source)
+        ids = read_token_ids(files, tokenizer, options.get("calib_tokens"))
+        if ids.numel() < seq_len:
+            raise CalibrationError(f"the calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
+        windows = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)  # [n, seq_len]
+        self.seen, counts = windows.unique(return_counts=True)  # sorted ids present in the corpus
+        self.counts = counts
+        self.means = self._calibrate(plan, windows)  # layer -> [n_seen, d_ff]
+        self.projections = {layer: self._fit_projection(layer) for layer in plan.layers}
+        vocab = plan.config.vocab_size
+        print(
+            f"calibration: {windows.numel()} tokens, {self.seen.numel()} distinct "
+            f"({self.seen.numel() / vocab:.1%} of the vocabulary); unseen tokens use the ridge fit",
+            file=sys.stderr,
+        )
+
+    def _calibrate(self, plan, windows: torch.Tensor) -> dict[int, torch.Tensor]:
+        model = model_from_source(self.source)
+        compact = torch.full((plan.config.vocab_size,), -1, dtype=torch.long)
+        compact[self.seen] = torch.arange(self.seen.numel())
+        d_ff = plan.config.intermediate_size
+        per_layer = self.seen.numel() * d_ff * 4 * 2
+        group = max(1, CALIB_MEMORY_BYTES // per_layer)
+        activation = ACT2FN[plan.config.stem_activation]
+        means = {}
+        for first in range(0, len(plan.layers), group):
+            layers = plan.layers[first : first + group]
+            sums = {layer: (torch.zeros(self.seen.numel(), d_ff), torch.zeros(self.seen.numel(), d_ff)) for layer in layers}
+            current = {}
+            hooks = []
+            for layer in layers:
+                weights = {k: (None if v is None else v.float()) for k, v in mlp_projections(self.source, self.family, layer).items()}
+                mlp = model.base_model.layers[layer].mlp
+                hooks.append(mlp.register_forward_pre_hook(self._accumulator(
+                    sums[layer], weights, activation, current, stop=layer == layers[-1])))
+            try:
+                with torch.no_grad():
+                    for window in windows:
+                        current["index"] = compact[window]  # [seq_len]
+                        try:
+                            model(window[None], use_cache=False)
+                        except _StopForward:
+                            pass
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            for layer, (num, den) in sums.items():
+                means[layer] = num / den.clamp_min(1e-12)
+        return means
+
+    def _accumulator(self, sums, weights, activation, current, stop: bool):
+        num, den = sums
+
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [tokens, d]
+            up = torch.nn.functional.linear(x, weights["up"], weights["up_bias"])  # [tokens, d_ff]
+            if self.gate_weighted:
+                gate = activation(torch.nn.functional.linear(x, weights["gate"], weights["gate_bias"]))
+                w = gate.square()
+            else:
+                w = torch.ones_like(up)
+            index = current["index"]
+            num.index_add_(0, index, w * up)
+            den.index_add_(0, index, w)
+            if stop:
+                raise _StopForward
+
+        return hook
+
+    def _fit_projection(self, layer: int) -> torch.Tensor:
+        """Ridge regression [x, 1] -> calibrated row over the seen tokens; returns [d + 1, d_ff]."""
+        x = self.mlp_inputs(layer, self.embedding[self.seen])
+        x = torch.cat([x, torch.ones(x.shape[0], 1)], 1)  # [n_seen, d + 1]
+        gram = x.T @ x
+        gram += torch.eye(gram.shape[0]) * RIDGE * gram.diagonal().mean()
+        return torch.linalg.solve(gram, x.T @ self.means[layer])
+
+    def table_rows(self, layer: int) -> RowsFn:
+        projection, means = self.projections[layer], self.means[layer]
+
+        def fill(start: int, stop: int, out: torch.Tensor) -> None:
+            x = self.mlp_inputs(layer, self.embedding[start:stop])  # [rows, d]
+            torch.addmm(projection[-1], x, projection[:-1], out=out)  # the fit, for every row
+            lo, hi = torch.searchsorted(self.seen, torch.tensor([start, stop]))
+            out[self.seen[lo:hi] - start] = means[lo:hi]  # seen tokens: their calibrated mean
+
+        return fill
+
+
+class CalibratedMeanInit(CalibratedInit):
+    name = "calib-mean"
+    description = "plain mean of W_up x per token over calibration text; unseen tokens from a ridge fit"
+    gate_weighted = False

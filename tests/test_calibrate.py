@@ -1,0 +1,127 @@
+"""Calibrated initialisation: gate-weighted and plain per-token means, ridge fit for unseen tokens."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+import stem_upcycle  # noqa: F401
+import stem_upcycle.calibrate as calibrate_module
+from stem_upcycle.cli import main
+from stem_upcycle.evaluate import evaluate
+
+from .conftest import save_tiny_tokenizer
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def calib_text(tmp_path, words=(0, 40), n=600, seed=0):
+    """Random words drawn from ids [words[0], words[1]): the other ids stay unseen."""
+    g = torch.Generator().manual_seed(seed)
+    path = tmp_path / f"calib{seed}.txt"
+    path.write_text(" ".join(f"w{i}" for i in torch.randint(*words, (n,), generator=g).tolist()))
+    return path
+
+
+def convert(src, out, *args):
+    result = run_cli("convert", src, out, "--quiet", "--dtype", "float32", *args)
+    assert result.exit_code == 0, result.output
+    return AutoModelForCausalLM.from_pretrained(out).eval()
+
+
+@pytest.fixture
+def dense_with_tokenizer(dense_dir):
+    def make(zero_first_attention=False, **kw):
+        dense, src = dense_dir("llama", **kw)
+        if zero_first_attention:
+            with torch.no_grad():
+                dense.model.layers[0].self_attn.o_proj.weight.zero_()
+            dense.save_pretrained(src)
+        save_tiny_tokenizer(src)
+        return dense, src
+
+    return make
+
+
+def mlp_inputs_at(dense, layer, ids):
+    """The dense model's MLP inputs at `layer` for a [1, T] id sequence: [T, d]."""
+    captured = []
+    hook = dense.model.layers[layer].mlp.register_forward_pre_hook(lambda m, a: captured.append(a[0][0]))
+    with torch.no_grad():
+        dense(ids)
+    hook.remove()
+    return captured[0]
+
+
+def test_where_closed_form_is_exact_calibration_reproduces_it(dense_with_tokenizer, tmp_path):
+    dense, src = dense_with_tokenizer(zero_first_attention=True)
+    text = calib_text(tmp_path)
+    closed = convert(src, tmp_path / "closed", "--layers", "0")
+    calib = convert(src, tmp_path / "calib", "--layers", "0", "--init", "calib", "--calib-data", text,
+                    "--calib-seq-len", "64")
+    exact = closed.model.layers[0].mlp.up_table.weight
+    table = calib.model.layers[0].mlp.up_table.weight
+    seen = torch.arange(0, 40)
+    torch.testing.assert_close(table[seen], exact[seen], rtol=1e-4, atol=1e-5)
+    unseen = torch.arange(40, 96)  # a linear map fitted on exact rows predicts the others closely
+    assert (table[unseen] - exact[unseen]).norm() / exact[unseen].norm() < 0.05
+    assert calib.config.stem_init == "calib"
+
+
+@pytest.mark.parametrize("init", ["calib", "calib-mean"])
+def test_rows_are_the_gate_weighted_or_plain_mean_of_the_dense_up_projection(dense_with_tokenizer, tmp_path, init):
+    dense, src = dense_with_tokenizer()
+    text = calib_text(tmp_path, n=256)
+    stem = convert(src, tmp_path / init, "--layers", "1", "--init", init, "--calib-data", text, "--calib-seq-len", "64")
+    ids = torch.tensor([int(w[1:]) for w in text.read_text().split()]).view(-1, 64)
+    mlp = dense.model.layers[1].mlp
+    num, den = torch.zeros(96, 48), torch.zeros(96, 48)
+    with torch.no_grad():
+        for window in ids:
+            x = mlp_inputs_at(dense, 1, window[None])
+            u, s = mlp.up_proj(x), mlp.act_fn(mlp.gate_proj(x))
+            w = s.square() if init == "calib" else torch.ones_like(u)
+            num.index_add_(0, window, w * u)
+            den.index_add_(0, window, w)
+    seen = ids.unique()
+    torch.testing.assert_close(stem.model.layers[1].mlp.up_table.weight[seen], (num / den)[seen], rtol=1e-4, atol=1e-5)
+
+
+def test_layer_groups_in_several_passes_give_the_same_tables(dense_with_tokenizer, tmp_path, monkeypatch):
+    _, src = dense_with_tokenizer()
+    text = calib_text(tmp_path, n=256)
+    args = ("--layers", "all", "--init", "calib", "--calib-data", text, "--calib-seq-len", "64")
+    together = convert(src, tmp_path / "together", *args)
+    monkeypatch.setattr(calibrate_module, "CALIB_MEMORY_BYTES", 1)  # one layer per pass
+    apart = convert(src, tmp_path / "apart", *args)
+    for a, b in zip(together.state_dict().values(), apart.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_calibration_beats_the_closed_form_on_its_own_text(dense_with_tokenizer, tmp_path):
+    dense, src = dense_with_tokenizer()
+    text = calib_text(tmp_path, words=(0, 94), n=1024)
+    closed = convert(src, tmp_path / "closed", "--layers", "1,2")
+    calib = convert(src, tmp_path / "calib", "--layers", "1,2", "--init", "calib", "--calib-data", text,
+                    "--calib-seq-len", "64")
+    ids = torch.tensor([int(w[1:]) for w in text.read_text().split()])
+    kl_closed = evaluate(closed, ids, 64, reference=dense)["kl"]
+    kl_calib = evaluate(calib, ids, 64, reference=dense)["kl"]
+    assert kl_calib < kl_closed
+
+
+def test_calibrated_init_without_data_is_a_one_line_error(dense_with_tokenizer, tmp_path):
+    _, src = dense_with_tokenizer()
+    result = run_cli("convert", src, tmp_path / "out", "--init", "calib")
+    assert result.exit_code == 1 and "--init calib needs calibration text: pass --calib-data" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_text_shorter_than_a_window_is_an_error(dense_with_tokenizer, tmp_path):
+    _, src = dense_with_tokenizer()
+    short = calib_text(tmp_path, n=10)
+    result = run_cli("convert", src, tmp_path / "out", "--init", "calib", "--calib-data", short, "--quiet")
+    assert result.exit_code == 1 and "fewer than --calib-seq-len 512" in result.output
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
