@@ -78,8 +78,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_seq_len, 
     command = " ".join(shlex.quote(w) for w in words)
     run_conversion(plan, Path(out), overwrite=overwrite, progress=not quiet, command=command)
     click.echo(f"wrote {out}")
-    if plan.init == "closed-form":
-        click.echo(f"note: {UNTRAINED_WARNING}", err=True)
+    click.echo(f"note: {UNTRAINED_WARNING}", err=True)
 
 
 @main.command()

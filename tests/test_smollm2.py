@@ -56,3 +56,30 @@ def test_converted_smollm2_layout_and_inspect(converted):
     summary = json.loads(CliRunner().invoke(main, ["inspect", str(converted), "--json"]).output)
     assert summary["params_total"] == 134_515_008 - 10 * 576 * 1536 + 10 * 49152 * 1536
     assert summary["ffn_flops_per_token"] / summary["ffn_flops_per_token_dense"] == pytest.approx(80 / 90)
+
+
+@pytest.fixture(scope="module")
+def english(tmp_path_factory):
+    """English prose from Python's own documentation (pydoc topics): calibration and held-out parts."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    folder = tmp_path_factory.mktemp("text")
+    (folder / "calib.txt").write_text(text[: len(text) // 2])
+    (folder / "heldout.txt").write_text(text[len(text) // 2 :])
+    return folder
+
+
+def test_calibrated_init_is_far_closer_to_dense_than_the_closed_form(converted, english, tmp_path):
+    calib = tmp_path / "calib"
+    args = ["convert", "smollm2-135m", str(calib), "--init", "calib", "--calib-data", str(english / "calib.txt"),
+            "--calib-tokens", "8192", "--quiet"]
+    assert CliRunner().invoke(main, args, catch_exceptions=False).exit_code == 0
+    figures = {}
+    for name, path in (("closed-form", converted), ("calib", calib)):
+        result = CliRunner().invoke(main, ["eval", str(path), "--data", str(english / "heldout.txt"), "--reference",
+                                           "smollm2-135m", "--max-tokens", "2048", "--json", "--quiet"])
+        figures[name] = json.loads(result.stdout)
+    assert figures["calib"]["ppl_ratio"] < 10 < figures["closed-form"]["ppl_ratio"]
+    assert figures["calib"]["top1_agreement"] > figures["closed-form"]["top1_agreement"]
+    print(json.dumps(figures))
