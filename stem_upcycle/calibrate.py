@@ -14,6 +14,7 @@ budget the layers are calibrated in groups, one pass over the corpus per group.
 import sys
 
 import torch
+from tqdm.auto import tqdm
 from transformers.activations import ACT2FN
 
 from .errors import UserError
@@ -38,8 +39,9 @@ class CalibratedInit(ClosedFormInit):
     gate_weighted = True
     needs_data = True
 
-    def __init__(self, plan):
+    def __init__(self, plan, progress: bool = False):
         super().__init__(plan)
+        self.progress = progress
         options = plan.init_options
         files = options["calib_data"]
         seq_len = options.get("calib_seq_len", 512)
@@ -79,8 +81,10 @@ class CalibratedInit(ClosedFormInit):
                 hooks.append(mlp.register_forward_pre_hook(self._accumulator(
                     sums[layer], weights, activation, current, stop=layer == layers[-1])))
             try:
+                bar = tqdm(windows, desc=f"calibrate layers {layers[0]}-{layers[-1]}", unit="window",
+                           disable=not self.progress, file=sys.stderr)
                 with torch.no_grad():
-                    for window in windows:
+                    for window in bar:
                         current["index"] = compact[window]  # [seq_len]
                         try:
                             model(window[None], use_cache=False)

@@ -269,10 +269,10 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
 def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> None:
     from tqdm.auto import tqdm
 
+    init = INITIALISERS[plan.init](plan, progress=progress)  # calibrating inits read their data here
     bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress, file=sys.stderr)
     writer = BackgroundWriter(ShardWriter(directory, plan.shards, on_bytes=bar.update))
     try:
-        init = INITIALISERS[plan.init](plan)
         tensors = plan.source.tensors
         for spec in plan.specs:
             producer = plan.producers[spec.name]

@@ -52,7 +52,7 @@ class ClosedFormInit:
     name = "closed-form"
     description = "closed form W_up · norm(E[v]) (data-free; needs recovery training)"
 
-    def __init__(self, plan):
+    def __init__(self, plan, progress: bool = False):
         self.source, self.family = plan.source, plan.family
         self.embedding = self.source.tensors.get(EMBEDDING)  # [vocab, d], kept in its stored dtype
         self.scale = embed_multiplier(self.family, self.source.config)
