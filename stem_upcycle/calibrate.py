@@ -8,7 +8,8 @@ corpus never shows get a row from a ridge fit, per layer, of the calibrated rows
 closed-form inputs norm_l(E[v]) of the tokens that were seen.
 
 Accumulators hold one row per distinct calibration token and layer; when they exceed the memory
-budget the layers are calibrated in groups, one pass over the corpus per group.
+budget the layers are calibrated in groups, one pass over the corpus per group. The dense model
+itself is held in fp32 while it reads the corpus.
 """
 
 import sys
@@ -50,8 +51,7 @@ class CalibratedInit(ClosedFormInit):
         if ids.numel() < seq_len:
             raise CalibrationError(f"the calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
         windows = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)  # [n, seq_len]
-        self.seen, counts = windows.unique(return_counts=True)  # sorted ids present in the corpus
-        self.counts = counts
+        self.seen = windows.unique()  # sorted ids present in the corpus
         self.means = self._calibrate(plan, windows)  # layer -> [n_seen, d_ff]
         self.projections = {layer: self._fit_projection(layer) for layer in plan.layers}
         vocab = plan.config.vocab_size
