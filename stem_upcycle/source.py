@@ -150,10 +150,10 @@ def _cached_snapshot(repo_id: str) -> Path:
 
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception as err:  # LocalEntryNotFoundError and friends
+    except Exception:  # LocalEntryNotFoundError and friends
         raise SourceError(
-            f"{repo_id} is not in the local Hugging Face cache ({HF_HUB_CACHE}) and this tool never downloads; "
-            f"copy the checkpoint there or pass its local directory ({type(err).__name__})"
+            f"{repo_id} is no local directory and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
+            f"this tool never downloads: copy the checkpoint into the cache or pass its local directory"
         ) from None
 
 
