@@ -7,6 +7,7 @@ import sys
 import click
 
 from .card import UNTRAINED_WARNING
+from .convert import DTYPES
 from .errors import UserError
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS
@@ -42,7 +43,7 @@ def main():
               help="Plain-text calibration file for --init calib / calib-mean; repeat for several.")
 @click.option("--calib-tokens", default=131072, show_default=True, help="Calibration tokens read, at most.")
 @click.option("--calib-seq-len", default=512, show_default=True, help="Tokens per calibration forward.")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32", "float16"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is not empty (only once the new model is complete).")
@@ -94,9 +95,6 @@ def inspect(path, as_json):
     click.echo(json.dumps(summary.as_dict()) if as_json else summary.describe())
 
 
-if __name__ == "__main__":
-    main()
-
 
 @main.command("eval")
 @click.argument("model")
@@ -123,3 +121,7 @@ def evaluate(model, files, reference, window, max_tokens, as_json, quiet):
     progress = None if quiet else (lambda it: tqdm(it, desc="eval", unit="window", file=sys.stderr))
     result = ev.evaluate(lm, ids, window=window, reference=ref, progress=progress)
     click.echo(json.dumps(result) if as_json else ev.describe(result, model, reference))
+
+
+if __name__ == "__main__":
+    main()
