@@ -34,35 +34,40 @@ class _StopForward(Exception):
     """Raised after the last STEM layer of a pass: later layers are not needed."""
 
 
+def calibration_windows(source, options: dict) -> torch.Tensor:
+    """[n, seq_len] token ids of the calibration text (the tail that fills no window dropped)."""
+    seq_len = options.get("calib_seq_len", 512)
+    ids = read_token_ids(options["calib_data"], load_tokenizer(source), options.get("calib_tokens"))
+    if ids.numel() < seq_len:
+        raise CalibrationError(f"the calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
+    return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+
+
 class CalibratedInit(ClosedFormInit):
     name = "calib"
     description = "gate-weighted mean of W_up x per token over calibration text; unseen tokens from a ridge fit"
     gate_weighted = True
     needs_data = True
 
-    def __init__(self, plan, progress: bool = False):
+    def __init__(self, plan, progress: bool = False, model=None):
         super().__init__(plan)
         self.progress = progress
-        options = plan.init_options
-        files = options["calib_data"]
-        seq_len = options.get("calib_seq_len", 512)
-        tokenizer = load_tokenizer(self.source)
-        ids = read_token_ids(files, tokenizer, options.get("calib_tokens"))
-        if ids.numel() < seq_len:
-            raise CalibrationError(f"the calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
-        windows = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)  # [n, seq_len]
-        self.seen = windows.unique()  # sorted ids present in the corpus
-        self.means = self._calibrate(plan, windows)  # layer -> [n_seen, d_ff]
+        reused = plan.init_options.get("calibration")  # computed already, for every layer, by --layers auto
+        if isinstance(reused, CalibratedInit) and reused.gate_weighted == self.gate_weighted:
+            self.seen, self.means, self.projections = reused.seen, reused.means, reused.projections
+            return
+        self.windows = calibration_windows(self.source, plan.init_options)
+        self.seen = self.windows.unique()  # sorted ids present in the corpus
+        self.means = self._calibrate(plan, self.windows, model or model_from_source(self.source))  # layer -> [n_seen, d_ff]
         self.projections = {layer: self._fit_projection(layer) for layer in plan.layers}
         vocab = plan.config.vocab_size
         print(
-            f"calibration: {windows.numel()} tokens, {self.seen.numel()} distinct "
+            f"calibration: {self.windows.numel()} tokens, {self.seen.numel()} distinct "
             f"({self.seen.numel() / vocab:.1%} of the vocabulary); unseen tokens use the ridge fit",
             file=sys.stderr,
         )
 
-    def _calibrate(self, plan, windows: torch.Tensor) -> dict[int, torch.Tensor]:
-        model = model_from_source(self.source)
+    def _calibrate(self, plan, windows: torch.Tensor, model) -> dict[int, torch.Tensor]:
         compact = torch.full((plan.config.vocab_size,), -1, dtype=torch.long)
         compact[self.seen] = torch.arange(self.seen.numel())
         d_ff = plan.config.intermediate_size
@@ -134,6 +139,15 @@ class CalibratedInit(ClosedFormInit):
             out[self.seen[lo:hi] - start] = means[lo:hi]  # seen tokens: their calibrated mean
 
         return fill
+
+    def rows_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """[len(ids), d_ff] table rows of `ids` (sorted, distinct), as `table_rows` would write them."""
+        projection, means = self.projections[layer], self.means[layer]
+        out = torch.addmm(projection[-1], self.mlp_inputs(layer, self.embedding[ids]), projection[:-1])
+        where = torch.searchsorted(self.seen, ids).clamp_max(self.seen.numel() - 1)
+        hit = self.seen[where] == ids
+        out[hit] = means[where[hit]]
+        return out
 
 
 class CalibratedMeanInit(CalibratedInit):

@@ -36,7 +36,8 @@ def main():
 @click.argument("source")
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--layers", default=DEFAULT_LAYERS, show_default=True,
-              help="STEM layers: all, a fraction (1/3: evenly spaced from layer 0), a slice (1::2) or a list (0,4,8-11).")
+              help="STEM layers: all, a fraction (1/3: evenly spaced from layer 0), a slice (1::2), a list (0,4,8-11), "
+                   "or auto:1/3 (the third whose conversion alone costs least, measured with --init calib).")
 @click.option("--init", "init", type=click.Choice(sorted(INITIALISERS)), default="closed-form", show_default=True,
               help="How the tables are initialised.")
 @click.option("--calib-data", multiple=True, type=click.Path(exists=True, dir_okay=False),
@@ -64,7 +65,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_seq_len, 
 
     options = {"calib_data": list(calib_data), "calib_tokens": calib_tokens, "calib_seq_len": calib_seq_len}
     plan = plan_conversion(open_source(source), layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
-                           init_options=options)
+                           init_options=options, progress=not quiet)
     click.echo(plan.describe())
     if dry_run:
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)
@@ -95,7 +96,6 @@ def inspect(path, as_json):
     click.echo(json.dumps(summary.as_dict()) if as_json else summary.describe())
 
 
-
 @main.command("eval")
 @click.argument("model")
 @click.option("--data", "files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
@@ -121,6 +121,27 @@ def evaluate(model, files, reference, window, max_tokens, as_json, quiet):
     progress = None if quiet else (lambda it: tqdm(it, desc="eval", unit="window", file=sys.stderr))
     result = ev.evaluate(lm, ids, window=window, reference=ref, progress=progress)
     click.echo(json.dumps(result) if as_json else ev.describe(result, model, reference))
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", required=True, type=click.Path(file_okay=False),
+              help="Directory for the run (log, checkpoints) and, at the end, the trained STEM model.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override a recipe value, e.g. --set train.steps=200; repeat for several.")
+@click.option("--resume", is_flag=True, help="Continue the run in OUTPUT from its newest checkpoint.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@_fail_cleanly
+def train(recipe, output, overrides, resume, quiet):
+    """Recovery training of a STEM model by RECIPE (YAML): KL to the dense teacher + cross-entropy.
+
+    Runs on one CPU or GPU as it is, and on several through `accelerate launch`.
+    """
+    from .training.recipe import load_recipe
+    from .training.trainer import train as run_training
+
+    out = run_training(load_recipe(recipe, list(overrides)), output, resume=resume, progress=not quiet)
+    click.echo(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from .errors import UserError
 from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE, Family, family_for, layer_name
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS, parse_layers
+from .sensitivity import is_auto, select_layers
 from .modeling import StemConfig
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
 from .source import Source
@@ -128,7 +129,7 @@ def _layer_of(name: str) -> int:
     return int(parts[2]) if name.startswith("model.layers.") else -1
 
 
-def _order_key(name: str):
+def tensor_order_key(name: str):
     # Embedding first, then layers in numeric order, then the final norm and the head.
     layer = _layer_of(name)
     if layer >= 0:
@@ -143,6 +144,7 @@ def plan_conversion(
     init: str = "closed-form",
     max_shard_size: str | int = "5GB",
     init_options: dict | None = None,
+    progress: bool = False,
 ) -> ConversionPlan:
     """Decide every output tensor and shard without reading any weight."""
     dense = source.config
@@ -152,7 +154,12 @@ def plan_conversion(
     init_options = dict(init_options or {})
     if getattr(INITIALISERS[init], "needs_data", False) and not init_options.get("calib_data"):
         raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text)")
-    stem_layers = parse_layers(layers, dense.num_hidden_layers)
+    if is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
+        provisional = stem_config(dense, family, [0], init, torch.float32, False)
+        stem_layers, init_options["calibration"] = select_layers(layers, source, family, provisional, init, init_options,
+                                                                 progress)
+    else:
+        stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = _resolve_dtype(dtype, source)
     tensors = source.tensors
     if EMBEDDING not in tensors:
@@ -166,7 +173,7 @@ def plan_conversion(
             dropped |= {layer_name(layer, family.up + ".weight"), layer_name(layer, family.up + ".bias")}
     if getattr(dense, "tie_word_embeddings", False):
         dropped.add(LM_HEAD)  # tied: stored once, as the embedding
-    names = sorted((n for n in tensors.names() if n not in dropped), key=_order_key)
+    names = sorted((n for n in tensors.names() if n not in dropped), key=tensor_order_key)
     for position, name in enumerate(names):
         layer = _layer_of(name)
         kind = tensors.dtype(name)

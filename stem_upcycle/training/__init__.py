@@ -1,0 +1,1 @@
+"""Recovery training of converted STEM models: `stem-upcycle train RECIPE.yaml`."""

@@ -1,0 +1,72 @@
+"""Write the trained model exactly as `convert` writes a STEM model.
+
+The tensor names, shapes, dtypes, order and shard layout are those of the converted starting point
+(no `W_up` in the STEM layers, LoRA merged); the side files (config, modeling code, tokenizer,
+generation config) are copied from it, and the model card gains a training section. Files are
+staged in a hidden directory and moved into OUTPUT only when all are written, config.json last.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..convert import tensor_order_key
+from ..families import STEM_TABLE, layer_name
+from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards
+from ..source import open_source
+from .student import unwrap_lora
+
+MAX_SHARD_BYTES = 5 * 10**9  # convert's default --max-shard-size
+
+
+def write_model(trainer) -> Path:
+    out = trainer.output
+    init = open_source(str(trainer.init_dir))
+    tables = {layer_name(i, STEM_TABLE): t.weight for i, t in trainer.tables.items()}
+    state = unwrap_lora(trainer.trainable).state_dict()
+    specs = []
+    for name in sorted(init.tensors.names(), key=tensor_order_key):
+        value = tables.get(name, state.get(name))
+        if value is None or tuple(value.shape) != init.tensors.shape(name):
+            raise RuntimeError(f"the trained model has no tensor {name} shaped like the converted one")
+        specs.append(TensorSpec(name, init.tensors.shape(name), init.tensors.dtype(name)))
+    staging = out / f".export.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        writer = ShardWriter(staging, plan_shards(specs, MAX_SHARD_BYTES))
+        for spec in specs:
+            value = tables.get(spec.name, state.get(spec.name))
+            writer.write(spec.name, value.detach().to("cpu", spec.dtype))
+        writer.close()
+        for path in init.directory.iterdir():
+            if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_NAME:
+                shutil.copyfile(path, staging / path.name)
+        _add_training_card(staging / "README.md", trainer)
+        names = sorted((p.name for p in staging.iterdir()), key=lambda n: n == "config.json")  # config last
+        for name in names:
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _add_training_card(card: Path, trainer) -> None:
+    log = trainer.output / "train_log.jsonl"
+    evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval_ppl" in r] if log.exists() else []
+    recipe = trainer.recipe
+    lines = [
+        "\n## Recovery training (stem-upcycle train)\n",
+        f"Trained {recipe.train.steps} steps, {trainer.tokens_seen} tokens, on {', '.join(recipe.data.train)}; "
+        f"trainable: {', '.join(recipe.train.trainable)}; losses: {recipe.loss.kd_weight} x KL to `{recipe.model.source}` "
+        f"+ {recipe.loss.ce_weight} x cross-entropy. The recipe as run is in the training output (`recipe.yaml`).\n",
+    ]
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(f"Held-out perplexity: {first['eval_ppl']:.2f} before training, {last['eval_ppl']:.2f} after "
+                     f"({last['eval_ppl_ratio']:.2f}x the dense model's {last['eval_ref_ppl']:.2f}, "
+                     f"{last['eval_tokens']} tokens).\n")
+    text = card.read_text() if card.exists() else ""
+    text = text.replace("> **Not ready for use as it is.**", "> At conversion, before training:")
+    card.write_text(text + "".join(lines))

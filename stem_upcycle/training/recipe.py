@@ -1,0 +1,195 @@
+"""Training recipes: a YAML file read into dataclasses, with `section.key=value` overrides.
+
+Every field has a default and a comment saying what it does; an unknown key or a value of the
+wrong kind is a one-line error naming the valid keys.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..errors import UserError
+
+
+class RecipeError(UserError):
+    pass
+
+
+@dataclass
+class ModelSection:
+    source: str = ""  # the dense checkpoint: teacher for distillation, and what is converted
+    init_from: str = ""  # an existing STEM checkpoint to start from; empty: convert `source` first
+    layers: str = "1/3"  # STEM layers when converting (as `convert --layers`)
+    init: str = "calib"  # table init when converting (as `convert --init`)
+    calib_data: list = field(default_factory=list)  # calibration text files (globs); default: the training files
+    calib_tokens: int = 65536
+    calib_seq_len: int = 512
+
+
+@dataclass
+class DataSection:
+    train: list = field(default_factory=list)  # text (.txt) or JSON-lines (.jsonl) files; globs allowed
+    eval: list = field(default_factory=list)  # held-out files; empty: the last `heldout_fraction` of the sequences
+    heldout_fraction: float = 0.05
+    text_field: str = "text"  # the field of a .jsonl record that holds the document
+    seq_len: int = 512  # tokens per packed training sequence (documents joined with EOS)
+    max_train_tokens: int = 0  # 0: all
+    eval_tokens: int = 8192  # held-out tokens scored at each evaluation
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100  # optimizer steps
+    batch_size: int = 8  # sequences per optimizer step, all processes together
+    micro_batch_size: int = 8  # sequences per forward on one process (gradient accumulation above it)
+    trainable: list = field(default_factory=lambda: ["tables"])  # tables, gate_down, mlp, norms, attention, embeddings, lora
+    lr: float = 1e-4  # dense parts (AdamW)
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    min_lr_ratio: float = 0.1  # cosine decay to this fraction of the peak LR
+    max_grad_norm: float = 1.0  # 0: no clipping
+    precision: str = "auto"  # auto (bf16 autocast on GPUs that support it, fp32 on CPU), fp32, bf16
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    eval_every: int = 50  # steps; 0: only at the end
+    checkpoint_every: int = 0  # steps; 0: no checkpoints
+    keep_checkpoints: int = 2
+    log_every: int = 1
+
+
+@dataclass
+class TablesSection:
+    optimizer: str = "rowwise_adagrad"  # rowwise_adagrad (one scalar of state per row) or adam (lazy, full state)
+    lr: float = 1e-2
+    warmup_steps: int = 0
+    weight_decay: float = 0.0  # decoupled, applied to the rows a step touches
+    max_grad_norm: float = 0.0  # clipping of the table gradients, separate from the dense parts; 0: none
+    eps: float = 1e-8
+
+
+@dataclass
+class LossSection:
+    kd_weight: float = 1.0  # KL(teacher || student) on the next-token distributions
+    ce_weight: float = 1.0  # cross-entropy on the data
+    temperature: float = 1.0
+    chunk_tokens: int = 0  # positions per LM-head chunk; 0: as many as fit 64 MiB of logits
+
+
+@dataclass
+class HandoffSection:
+    steps: int = 0  # blend up = (1 - a) W_up x + a U[ids], a rising 0 -> 1 over these steps; 0: no blend
+
+
+@dataclass
+class LoraSection:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+
+
+@dataclass
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    tables: TablesSection = field(default_factory=TablesSection)
+    loss: LossSection = field(default_factory=LossSection)
+    handoff: HandoffSection = field(default_factory=HandoffSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+TRAINABLE_PARTS = ("tables", "gate_down", "mlp", "norms", "attention", "embeddings", "lora")
+TABLE_OPTIMIZERS = ("rowwise_adagrad", "adam")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    """Read a recipe file (or start from the defaults) and apply `section.key=value` overrides."""
+    raw = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise RecipeError(f"recipe {path} does not exist") from None
+        except yaml.YAMLError as err:
+            raise RecipeError(f"recipe {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise RecipeError(f"recipe {path} must be a mapping of sections (model, data, train, ...)")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise RecipeError(f"override {item!r} must look like section.key=value, e.g. train.steps=200")
+        section, name = key.strip().split(".", 1)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise RecipeError(f"recipe section {section!r} must be a mapping")
+        raw[section][name] = yaml.safe_load(value)
+    recipe = _build(Recipe, raw, "")
+    _validate(recipe)
+    return recipe
+
+
+def _build(cls, raw: dict, where: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe section {where.rstrip('.')!r} must be a mapping")
+    if unknown := sorted(set(raw) - set(fields)):
+        raise RecipeError(f"recipe key {where}{unknown[0]!r} is unknown; valid keys: {', '.join(fields)}")
+    values = {}
+    for name, value in raw.items():
+        default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING else fields[name].default
+        if dataclasses.is_dataclass(default):
+            values[name] = _build(type(default), value or {}, f"{where}{name}.")
+        else:
+            values[name] = _coerce(value, default, f"{where}{name}")
+    return cls(**values)
+
+
+def _coerce(value, default, key: str):
+    if isinstance(default, list):
+        return [value] if isinstance(value, str) else list(value or [])
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise RecipeError(f"recipe key {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, (int, float)):
+        try:
+            number = float(value)  # YAML reads 1e-4 as a string
+        except (TypeError, ValueError):
+            raise RecipeError(f"recipe key {key} must be a number, got {value!r}") from None
+        if isinstance(default, int) and not number.is_integer():
+            raise RecipeError(f"recipe key {key} must be a whole number, got {value!r}")
+        return int(number) if isinstance(default, int) else number
+    return "" if value is None else str(value)
+
+
+def _validate(recipe: Recipe) -> None:
+    t = recipe.train
+    if bad := [p for p in t.trainable if p not in TRAINABLE_PARTS]:
+        raise RecipeError(f"train.trainable: {bad[0]!r} is unknown; choose from {', '.join(TRAINABLE_PARTS)}")
+    if not t.trainable:
+        raise RecipeError("train.trainable is empty; name what trains, e.g. [tables]")
+    if recipe.tables.optimizer not in TABLE_OPTIMIZERS:
+        raise RecipeError(f"tables.optimizer {recipe.tables.optimizer!r} is unknown; choose {' or '.join(TABLE_OPTIMIZERS)}")
+    if t.precision not in PRECISIONS:
+        raise RecipeError(f"train.precision {t.precision!r} is unknown; choose {', '.join(PRECISIONS)}")
+    for key, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
+                       ("train.micro_batch_size", t.micro_batch_size), ("data.seq_len", recipe.data.seq_len)):
+        if value <= 0:
+            raise RecipeError(f"{key} must be positive, got {value}")
+    if t.batch_size % t.micro_batch_size:
+        raise RecipeError(f"train.batch_size {t.batch_size} is not a multiple of train.micro_batch_size {t.micro_batch_size}")
+    if recipe.loss.kd_weight < 0 or recipe.loss.ce_weight < 0 or recipe.loss.kd_weight + recipe.loss.ce_weight == 0:
+        raise RecipeError("loss.kd_weight and loss.ce_weight must be >= 0 and not both 0")
+    if not 0 <= recipe.data.heldout_fraction < 1:
+        raise RecipeError("data.heldout_fraction must lie in [0, 1)")
+    if not recipe.model.source:
+        raise RecipeError("model.source is empty; name the dense checkpoint (the teacher), e.g. smollm2-135m")
+    if not recipe.data.train:
+        raise RecipeError("data.train is empty; list the training text files")

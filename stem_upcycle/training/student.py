@@ -1,0 +1,105 @@
+"""The model being trained: a STEM checkpoint whose STEM MLPs read offloaded tables.
+
+Each `StemMLP` is swapped for a `TrainingStemMLP` that shares its gate and down projections (so
+parameter names are unchanged) and looks its up rows up in an `OffloadedTable` instead of an
+`nn.Embedding`. During a hand-off it blends in the dense up-projection:
+
+    up = (1 - a) * W_up x + a * U[ids]      a = 0: exactly the dense MLP; a = 1: the STEM MLP
+
+What trains is chosen by name, in one declarative table (`PARTS`); LoRA adapters come from peft.
+"""
+
+import re
+
+import torch
+from torch import nn
+
+from ..modeling.modeling_stem import StemMLP
+from .tables import OffloadedTable
+
+# Which dense parameters each trainable part names (regular expressions on parameter names).
+PARTS = {
+    "gate_down": None,  # the gate and down projections of the STEM layers (set per model below)
+    "mlp": r"\.mlp\.",
+    "norms": r"norm",
+    "attention": r"\.self_attn\.",
+    "embeddings": r"embed_tokens|lm_head",
+}
+
+
+class TrainingStemMLP(nn.Module):
+    def __init__(self, mlp: StemMLP, table: OffloadedTable):
+        super().__init__()
+        self.gate_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.down_proj, mlp.act_fn
+        self.token_ids = mlp.token_ids
+        self.table = table  # not a module: kept out of parameters, state dicts, DDP and FSDP
+        self.up_proj = None  # the frozen dense up-projection, only during a hand-off
+        self.blend = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.table.lookup(self.token_ids.ids).to(x.dtype)  # [batch, seq, d_ff]
+        if self.blend < 1.0:
+            up = (1.0 - self.blend) * self.up_proj(x) + self.blend * up
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * up)  # [batch, seq, d]
+
+
+def base_model(model):
+    return getattr(model, model.base_model_prefix)
+
+
+def attach_tables(model, device: torch.device) -> dict[int, OffloadedTable]:
+    """Swap the STEM MLPs for training ones; the tables' storage moves out of the model, uncopied."""
+    tables = {}
+    layers = base_model(model).layers
+    for index in model.config.stem_layers:
+        mlp = layers[index].mlp
+        tables[index] = OffloadedTable(mlp.up_table.weight.data, device)
+        layers[index].mlp = TrainingStemMLP(mlp, tables[index])
+    return tables
+
+
+def stem_mlps(model) -> list[TrainingStemMLP]:
+    return [m for m in model.modules() if isinstance(m, TrainingStemMLP)]
+
+
+def set_handoff(model, up_projections: dict[int, nn.Linear] | None) -> None:
+    """Give the STEM layers their dense up-projections (frozen) for a blended hand-off; None drops them."""
+    layers = base_model(model).layers
+    for index in model.config.stem_layers:
+        mlp = layers[index].mlp
+        mlp.up_proj = None if up_projections is None else up_projections[index].requires_grad_(False)
+        mlp.blend = 1.0 if up_projections is None else 0.0
+
+
+def set_blend(model, blend: float) -> None:
+    for mlp in stem_mlps(model):
+        mlp.blend = blend
+
+
+def select_trainable(model, parts: list[str], lora=None):
+    """Freeze everything, then unfreeze the named parts; with `lora` in parts, add peft adapters.
+
+    Returns the model to train (a peft model when LoRA is used)."""
+    if "lora" in parts:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=list(lora.target_modules), bias="none")
+        model = get_peft_model(model, config)  # freezes the base weights; adapters train
+    else:
+        model.requires_grad_(False)
+    stem = "|".join(rf"\.layers\.{i}\.mlp\.(gate_proj|down_proj)\." for i in _stem_layers(model))
+    patterns = [stem if part == "gate_down" else PARTS[part] for part in parts if part not in ("tables", "lora")]
+    for name, param in model.named_parameters():
+        if any(re.search(p, name) for p in patterns) and "lora_" not in name:
+            param.requires_grad_(True)
+    return model
+
+
+def _stem_layers(model) -> list[int]:
+    return list(model.config.stem_layers)
+
+
+def unwrap_lora(model):
+    """The plain model with LoRA adapters merged into their base weights (a no-op without LoRA)."""
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model

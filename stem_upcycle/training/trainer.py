@@ -1,0 +1,297 @@
+"""`stem-upcycle train`: recovery training of a STEM model against its dense teacher.
+
+One loop serves one CPU, one GPU and many processes (`accelerate launch`). Each optimizer step
+reads `batch_size` packed sequences, split over processes and micro-batches; the student's final
+hidden states go through the chunked KD + CE head loss; dense parts train with AdamW (DDP / FSDP
+through accelerate), tables with a row-wise optimizer on the step's rows only (their gradients
+are averaged across processes by hand: every process gathers the same rows, those of the global
+batch). Output layout:
+
+    OUTPUT/init/             the converted starting point (removed after export unless given)
+    OUTPUT/checkpoints/      step-N/ with trainable weights, tables, optimizer states
+    OUTPUT/recipe.yaml       the recipe as run;  OUTPUT/train_log.jsonl  one JSON object per line
+    OUTPUT/*.safetensors ... the trained STEM model, written at the end
+"""
+
+import math
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..evaluate import load_tokenizer, model_from_source
+from ..init import mlp_projections
+from ..source import open_source
+from . import checkpoint, export
+from .data import Batches, load_data
+from .losses import HeadLoss, head_loss
+from .recipe import Recipe
+from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff
+from .tables import TABLE_OPTIMIZERS, clip_rows
+
+
+class TrainError(UserError):
+    pass
+
+
+class DistillStep(nn.Module):
+    """Student forward + chunked head loss as one module, so that DDP / FSDP can wrap it."""
+
+    def __init__(self, student, spec: HeadLoss):
+        super().__init__()
+        self.student, self.spec = student, spec
+
+    def forward(self, inputs, targets, teacher_hidden, teacher_weight, normalizer: float):
+        hidden = base_model(self.student)(input_ids=inputs, use_cache=False).last_hidden_state  # [b, s, d]
+        head = self.student.get_output_embeddings().weight  # [vocab, d]
+        return head_loss(self.spec, hidden.flatten(0, 1), head, targets.flatten(),
+                         None if teacher_hidden is None else teacher_hidden.flatten(0, 1), teacher_weight, normalizer)
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to `peak`, then cosine decay to `min_ratio * peak` at the last step."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, output: Path, resume: bool = False, progress: bool = True):
+        from accelerate import Accelerator
+
+        self.recipe, self.output, self.progress = recipe, Path(output), progress
+        t = recipe.train
+        if recipe.handoff.steps >= t.steps:
+            raise TrainError(f"handoff.steps ({recipe.handoff.steps}) must be below train.steps ({t.steps}): "
+                             f"the hand-off has to finish before the model is exported")
+        bf16 = t.precision == "bf16" or (t.precision == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
+        acc = self.accelerator
+        self.world = acc.num_processes
+        if t.batch_size % (self.world * t.micro_batch_size):
+            raise TrainError(f"train.batch_size {t.batch_size} must be a multiple of processes x micro_batch_size "
+                             f"({self.world} x {t.micro_batch_size})")
+        checkpoint.prepare_output(self.output, recipe, resume, acc.is_main_process)
+        acc.wait_for_everyone()
+        torch.manual_seed(t.seed)
+
+        self.source = open_source(recipe.model.source)
+        self.init_dir = self._initial_model()
+        self.tokenizer = load_tokenizer(open_source(str(self.init_dir)))
+        self.train_ids, self.heldout = load_data(recipe, self.tokenizer)
+        self.batches = Batches(self.train_ids, t.batch_size, t.seed)
+
+        from transformers import AutoModelForCausalLM
+
+        student = AutoModelForCausalLM.from_pretrained(self.init_dir, dtype=torch.float32)
+        if student.config.model_type != "stem":
+            raise TrainError(f"{self.init_dir} is not a STEM model; model.init_from must name a converted checkpoint")
+        self.causal_lm = student
+        self.tables = attach_tables(student, acc.device)
+        self.handoff_from = 0
+        if recipe.handoff.steps:
+            set_handoff(student, self._dense_up_projections(student))
+        self.trainable = select_trainable(student, t.trainable, recipe.lora)
+        if t.gradient_checkpointing:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
+        spec = HeadLoss.for_config(student.config, ce_weight=recipe.loss.ce_weight, kd_weight=recipe.loss.kd_weight,
+                                   temperature=recipe.loss.temperature, chunk_tokens=recipe.loss.chunk_tokens)
+        self.step_module = DistillStep(student, spec)
+        dense = [p for p in self.step_module.parameters() if p.requires_grad]
+        self.dense_optimizer = torch.optim.AdamW(dense, lr=t.lr, weight_decay=t.weight_decay) if dense else None
+        table_list = [self.tables[i] for i in sorted(self.tables)]
+        self.table_optimizer = (TABLE_OPTIMIZERS[recipe.tables.optimizer](
+            table_list, eps=recipe.tables.eps, weight_decay=recipe.tables.weight_decay)
+            if "tables" in t.trainable else None)
+        if dense:
+            self.step_module, self.dense_optimizer = acc.prepare(self.step_module, self.dense_optimizer)
+        else:
+            self.step_module.to(acc.device)
+        self.start_step, self.tokens_seen = 0, 0
+        if resume:
+            self.start_step, self.tokens_seen = checkpoint.load_latest(self)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _initial_model(self) -> Path:
+        m = self.recipe.model
+        if m.init_from:
+            return Path(open_source(m.init_from).directory or m.init_from)
+        init_dir = self.output / "init"
+        if self.accelerator.is_main_process and not (init_dir / "config.json").exists():
+            from ..convert import plan_conversion, run_conversion
+            from .data import expand_files
+
+            calib = [str(f) for f in expand_files(m.calib_data or self.recipe.data.train, "model.calib_data")]
+            options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len}
+            plan = plan_conversion(self.source, layers=m.layers, init=m.init, dtype="float32", init_options=options)
+            print(plan.describe(), file=sys.stderr)
+            run_conversion(plan, init_dir, overwrite=True, progress=self.progress,
+                           command=f"stem-upcycle train (conversion of {m.source})")
+        self.accelerator.wait_for_everyone()
+        return init_dir
+
+    def _teacher(self):
+        dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
+        teacher = model_from_source(self.source, dtype).to(self.accelerator.device).requires_grad_(False)
+        if teacher.config.vocab_size != self.causal_lm.config.vocab_size:
+            raise TrainError(f"{self.recipe.model.source} has a vocabulary of {teacher.config.vocab_size}, the STEM "
+                             f"model one of {self.causal_lm.config.vocab_size}; the teacher must be its dense base")
+        return teacher
+
+    def _dense_up_projections(self, student) -> dict[int, nn.Linear]:
+        from ..families import family_for
+
+        family = family_for(self.source.config.model_type)
+        ups = {}
+        for layer in student.config.stem_layers:
+            w = mlp_projections(self.source, family, layer)
+            linear = nn.Linear(w["up"].shape[1], w["up"].shape[0], bias=w["up_bias"] is not None)
+            with torch.no_grad():
+                linear.weight.copy_(w["up"].float())
+                if w["up_bias"] is not None:
+                    linear.bias.copy_(w["up_bias"].float())
+            ups[layer] = linear.to(self.accelerator.device)
+        return ups
+
+    # -- one step ------------------------------------------------------------------------------
+    def _teacher_hidden(self, inputs):
+        with torch.no_grad(), self.accelerator.autocast():
+            return base_model(self.teacher)(input_ids=inputs, use_cache=False).last_hidden_state
+
+    @property
+    def teacher_weight(self):
+        return self.teacher.get_output_embeddings().weight
+
+    def _blend(self, step: int) -> float:
+        n = self.recipe.handoff.steps
+        return 1.0 if not n else min(1.0, step / n)
+
+    def train_step(self, step: int) -> dict:
+        t, acc = self.recipe.train, self.accelerator
+        batch = self.batches.step(step).to(acc.device)  # [batch_size, seq_len + 1], the global batch
+        for table in self.tables.values():  # the rows of the whole global batch, on every process
+            table.gather(batch[:, :-1])
+        set_blend(self.causal_lm, self._blend(step))
+        mine = batch.chunk(self.world)[acc.process_index]
+        micro = mine.split(t.micro_batch_size)
+        normalizer = mine[:, 1:].numel()
+        sums = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        loss_total = 0.0
+        for i, chunk in enumerate(micro):
+            inputs, targets = chunk[:, :-1], chunk[:, 1:]
+            teacher_hidden = self._teacher_hidden(inputs)
+            sync = i == len(micro) - 1 or self.dense_optimizer is None
+            context = acc.no_sync(self.step_module) if not sync else nullcontext()
+            with context, acc.autocast():
+                loss, part = self.step_module(inputs, targets, teacher_hidden, self.teacher_weight, normalizer)
+                if loss.requires_grad:
+                    acc.backward(loss)
+            sums += part
+            loss_total += loss.item()
+        record = {"step": step + 1}
+        if self.table_optimizer is not None:
+            self._reduce_row_grads()
+            record["table_grad_norm"] = clip_rows(list(self.tables.values()), self.recipe.tables.max_grad_norm)
+            record["table_lr"] = lr_at(step, self.recipe.tables.lr, self.recipe.tables.warmup_steps, t.steps, t.min_lr_ratio)
+            self.table_optimizer.step(record["table_lr"])
+        if self.dense_optimizer is not None:
+            if t.max_grad_norm:
+                record["grad_norm"] = float(acc.clip_grad_norm_(self.step_module.parameters(), t.max_grad_norm))
+            record["lr"] = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+            for group in self.dense_optimizer.param_groups:
+                group["lr"] = record["lr"]
+            self.dense_optimizer.step()
+            self.dense_optimizer.zero_grad(set_to_none=True)
+        if self.recipe.handoff.steps and step + 1 == self.recipe.handoff.steps:
+            set_handoff(self.causal_lm, None)  # the hand-off is over: W_up is dropped
+        sums = acc.reduce(sums, reduction="sum") if self.world > 1 else sums
+        self.tokens_seen += batch[:, 1:].numel()
+        record.update(loss=acc.reduce(torch.tensor(loss_total, device=acc.device), reduction="mean").item(),
+                      ce=(sums[0] / sums[3]).item(), kd=(sums[1] / sums[3]).item(), blend=self._blend(step),
+                      tokens=self.tokens_seen)
+        return record
+
+    def _reduce_row_grads(self) -> None:
+        for table in self.tables.values():
+            if table.rows.grad is None:
+                table.rows.grad = torch.zeros_like(table.rows)
+            if self.world > 1:
+                torch.distributed.all_reduce(table.rows.grad)
+                table.rows.grad /= self.world
+
+    # -- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Perplexity, teacher perplexity, KL and top-1 agreement on the held-out sequences."""
+        acc, t = self.accelerator, self.recipe.train
+        sums = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        ref_nll = 0.0
+        spec = _unwrap(self.step_module).spec
+        for chunk in self.heldout.to(acc.device).split(t.micro_batch_size):
+            inputs, targets = chunk[:, :-1], chunk[:, 1:]
+            for table in self.tables.values():
+                table.gather(inputs)
+            teacher_hidden = self._teacher_hidden(inputs)
+            with acc.autocast():
+                _, part = self.step_module(inputs, targets, teacher_hidden, self.teacher_weight, 1.0)
+                th = teacher_hidden.flatten(0, 1)
+                _, ref = head_loss(spec, th, self.teacher_weight, targets.flatten(), th, self.teacher_weight)
+            sums += part
+            ref_nll += ref[0].item()
+        n = sums[3].item()
+        return {"eval_ppl": math.exp(sums[0].item() / n), "eval_ref_ppl": math.exp(ref_nll / n),
+                "eval_ppl_ratio": math.exp((sums[0].item() - ref_nll) / n), "eval_kl": sums[1].item() / n,
+                "eval_top1": sums[2].item() / n, "eval_tokens": int(n)}
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> Path:
+        from tqdm.auto import tqdm
+
+        t, acc = self.recipe.train, self.accelerator
+        log = checkpoint.Log(self.output / "train_log.jsonl", acc.is_main_process, self.start_step)
+        if self.start_step == 0:
+            log.write({"step": 0, "tokens": 0, **self.evaluate()})
+        bar = tqdm(total=t.steps, initial=self.start_step, desc="train", unit="step",
+                   disable=not (self.progress and acc.is_main_process), file=sys.stderr)
+        started, tokens_at_start = time.perf_counter(), self.tokens_seen
+        for step in range(self.start_step, t.steps):
+            record = self.train_step(step)
+            elapsed = time.perf_counter() - started
+            record["tokens_per_s"] = (self.tokens_seen - tokens_at_start) / elapsed
+            done = step + 1
+            if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+                record.update(self.evaluate())
+            if t.log_every and (done % t.log_every == 0 or "eval_ppl" in record):
+                log.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"eval_ppl": f"{record['eval_ppl']:.2f}"} if "eval_ppl" in record else {}))
+            bar.update()
+            if t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:
+                checkpoint.save(self, done)
+        bar.close()
+        return self.export()
+
+    def export(self) -> Path:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            export.write_model(self)
+            if not self.recipe.model.init_from:
+                shutil.rmtree(self.init_dir, ignore_errors=True)
+        acc.wait_for_everyone()
+        return self.output
+
+
+def _unwrap(module):
+    return getattr(module, "module", module)
+
+
+def train(recipe: Recipe, output: str | Path, resume: bool = False, progress: bool = True) -> Path:
+    return Trainer(recipe, Path(output), resume=resume, progress=progress).run()

@@ -1,0 +1,142 @@
+"""`stem-upcycle train` end to end on tiny models: learning, exact resume, export, processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from stem_upcycle.cli import main
+from stem_upcycle.convert import plan_conversion, run_conversion
+from stem_upcycle.source import open_source
+from stem_upcycle.training import trainer as trainer_module
+from stem_upcycle.training.recipe import load_recipe
+from stem_upcycle.training.trainer import Trainer
+
+from .conftest import save_tiny_tokenizer, tiny_dense
+
+
+def _markov_text(n: int, seed: int) -> str:
+    """Words w0..w59 where each word mostly determines the next: learnable by a tiny model."""
+    g = torch.Generator().manual_seed(seed)
+    word, words = 0, []
+    for _ in range(n):
+        words.append(f"w{word}")
+        word = (word * 7 + 3) % 60 if torch.rand(1, generator=g) < 0.8 else int(torch.randint(0, 60, (1,), generator=g))
+    return " ".join(words)
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A tiny dense llama with a tokenizer, its STEM conversion, and training / held-out text."""
+    tiny_dense("llama").save_pretrained(tmp_path / "dense")
+    save_tiny_tokenizer(tmp_path / "dense")
+    (tmp_path / "train.txt").write_text(_markov_text(6000, 0))
+    (tmp_path / "heldout.txt").write_text(_markov_text(800, 1))
+    plan = plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init="calib",
+                           init_options={"calib_data": [str(tmp_path / "train.txt")], "calib_seq_len": 32})
+    run_conversion(plan, tmp_path / "stem", progress=False)
+    return tmp_path
+
+
+def _overrides(ws, *extra):
+    return [f"model.source={ws / 'dense'}", f"model.init_from={ws / 'stem'}", f"data.train=[{ws / 'train.txt'}]",
+            f"data.eval=[{ws / 'heldout.txt'}]", "data.seq_len=32", "data.eval_tokens=256", "train.batch_size=8",
+            "train.micro_batch_size=4", "train.eval_every=0", "train.warmup_steps=2", "tables.lr=0.05", *extra]
+
+
+def _log(path):
+    return [json.loads(line) for line in (path / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace):
+    from transformers import AutoModelForCausalLM
+
+    out = workspace / "out"
+    recipe = load_recipe(None, _overrides(workspace, "train.steps=30", "train.lr=3e-3",
+                                          "train.trainable=[tables, gate_down, norms, attention]"))
+    trainer = Trainer(recipe, out, progress=False)
+    trainer.run()
+    log = _log(out)
+    assert log[-1]["eval_ppl"] < 0.7 * log[0]["eval_ppl"]
+    assert log[-1]["loss"] < log[1]["loss"]
+    # Same tensors, shapes, dtypes and order as the converted checkpoint; no W_up in STEM layers.
+    def layout(path):
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        with safe_open(str(path / next(iter(set(index["weight_map"].values())))), "pt") as f:
+            return [(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]
+    assert layout(out) == layout(workspace / "stem")
+    assert not any("layers.0.mlp.up_proj" in name for name, _, _ in layout(out))
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    ids = trainer.heldout[:2, :-1]
+    for table in trainer.tables.values():
+        table.gather(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trainer.causal_lm.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+    assert "Recovery training" in (out / "README.md").read_text()
+    assert (workspace / "stem" / "config.json").exists()  # a given init_from is never removed
+
+
+def test_resume_continues_exactly(workspace, monkeypatch):
+    extra = ("train.steps=5", "train.checkpoint_every=2", "train.trainable=[tables, lora, norms]", "handoff.steps=3")
+    Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "a", progress=False).run()
+    uninterrupted = _log(workspace / "a")
+
+    real_step = Trainer.train_step
+
+    def crash_at_step_4(self, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "b", progress=False).run()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert not (workspace / "b" / "config.json").exists()  # nothing that looks like a finished model
+    Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "b", resume=True, progress=False).run()
+    resumed = _log(workspace / "b")
+    assert [r["step"] for r in resumed] == [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4, 5]
+    for a, b in zip(uninterrupted, resumed):
+        assert a["loss" if "loss" in a else "eval_ppl"] == b["loss" if "loss" in b else "eval_ppl"]
+
+
+def test_train_cli_refuses_to_mix_runs(workspace):
+    recipe = workspace / "r.yaml"
+    recipe.write_text("model: {source: x}\n")
+    runner = CliRunner()
+    (workspace / "busy").mkdir()
+    (workspace / "busy" / "keep.txt").write_text("user data")
+    sets = [w for o in _overrides(workspace, "train.steps=1") for w in ("--set", o)]
+    result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "busy"), *sets])
+    assert result.exit_code == 1 and "is not empty" in result.output
+    assert (workspace / "busy" / "keep.txt").read_text() == "user data"
+    result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "fresh"), "--resume", *sets])
+    assert result.exit_code == 1 and "no training run" in result.output
+    result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "x"), "--set", "train.steps=0"])
+    assert result.exit_code == 1 and "train.steps must be positive" in result.output
+
+
+def test_two_processes_give_the_loss_curve_of_one(workspace):
+    """2 CPU processes (gloo) with half the batch each = 1 process with the whole batch."""
+    extra = ["train.steps=4", "train.trainable=[tables, gate_down]", "train.lr=1e-3"]
+    single = workspace / "one"
+    Trainer(load_recipe(None, _overrides(workspace, *extra)), single, progress=False).run()
+    recipe = workspace / "r.yaml"
+    recipe.write_text("{}\n")
+    sets = [w for o in _overrides(workspace, *extra, "train.micro_batch_size=2") for w in ("--set", o)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "stem_upcycle.cli", "train", str(recipe),
+               "--output", str(workspace / "two"), "--quiet", *sets]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, two = _log(single), _log(workspace / "two")
+    assert len(one) == len(two) == 5
+    for a, b in zip(one[1:], two[1:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert one[-1]["eval_ppl"] == pytest.approx(two[-1]["eval_ppl"], rel=1e-4)

@@ -1,0 +1,145 @@
+"""Building blocks of `stem-upcycle train`: head loss, table optimizers, hand-off, recipe, data."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stem_upcycle.convert import plan_conversion, run_conversion
+from stem_upcycle.source import open_source
+from stem_upcycle.training.data import Batches, pack, read_documents
+from stem_upcycle.training.losses import IGNORE, HeadLoss, head_loss
+from stem_upcycle.training.recipe import RecipeError, load_recipe
+from stem_upcycle.training.student import attach_tables, set_blend, set_handoff
+from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagrad
+from stem_upcycle.training.trainer import Trainer
+
+from .conftest import VOCAB, save_tiny_tokenizer
+
+
+def _reference_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, normalizer):
+    def logits(h, w):
+        z = h @ w.T * spec.scale
+        return z if spec.softcap is None else spec.softcap * torch.tanh(z / spec.softcap)
+
+    z, zt = logits(hidden, weight), logits(teacher_hidden, teacher_weight)
+    valid = targets != IGNORE
+    ce = F.cross_entropy(z[valid], targets[valid], reduction="sum")
+    T = spec.temperature
+    kl = F.kl_div(F.log_softmax(z / T, -1), F.log_softmax(zt / T, -1), log_target=True, reduction="none").sum(-1)
+    return (spec.ce_weight * ce + spec.kd_weight * T * T * kl[valid].sum()) / normalizer
+
+
+@pytest.mark.parametrize("softcap,scale,temperature", [(None, 1.0, 1.0), (3.0, 0.5, 2.0)])
+def test_chunked_head_loss_equals_full_logits(softcap, scale, temperature):
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(37, 16, dtype=torch.float64), torch.randn(50, 16, dtype=torch.float64)
+    targets = torch.randint(0, 50, (37,))
+    targets[[3, 20]] = IGNORE
+    spec = HeadLoss(ce_weight=0.7, kd_weight=1.3, temperature=temperature, scale=scale, softcap=softcap, chunk_tokens=8)
+    loss, sums = head_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, normalizer=35)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    ref = _reference_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, 35)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-8)
+    assert sums[3] == 35
+
+
+def test_rowwise_adagrad_updates_only_the_rows_of_the_step():
+    torch.manual_seed(0)
+    weight = torch.randn(20, 6)
+    before = weight.clone()
+    table = OffloadedTable(weight, torch.device("cpu"))
+    optimizer = RowwiseAdagrad([table])
+    table.gather(torch.tensor([[3, 7, 3], [11, 7, 7]]))
+    (table.lookup(torch.tensor([[3, 7, 11]])).sum() * 2).backward()
+    optimizer.step(lr=0.1)
+    touched = torch.tensor([3, 7, 11])
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[touched] = False
+    assert torch.equal(weight[untouched], before[untouched])
+    assert (weight[touched] != before[touched]).all()
+    # Adagrad's first step moves every element by lr * g / sqrt(mean g^2) = lr for a constant gradient.
+    torch.testing.assert_close(weight[touched], before[touched] - 0.1, rtol=0, atol=1e-6)
+    assert optimizer.state[0].shape == (20,)  # one scalar per row
+
+
+def test_lazy_adam_equals_adam_when_every_row_is_touched():
+    torch.manual_seed(0)
+    weight = torch.randn(5, 4)
+    reference = torch.nn.Parameter(weight.clone())
+    torch_adam = torch.optim.AdamW([reference], lr=0.01, weight_decay=0.1)
+    table = OffloadedTable(weight, torch.device("cpu"))
+    lazy = LazyAdam([table], weight_decay=0.1)
+    for step in range(3):
+        target = torch.randn(5, 4)
+        table.gather(torch.arange(5))
+        ((table.lookup(torch.arange(5)) - target) ** 2).sum().backward()
+        lazy.step(lr=0.01)
+        torch_adam.zero_grad()
+        ((reference - target) ** 2).sum().backward()
+        torch_adam.step()
+    torch.testing.assert_close(weight, reference.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "granite", "phi3", "gemma2"])
+def test_handoff_at_blend_zero_is_the_dense_model_exactly(dense_dir, tmp_path, ids, model_type):
+    from transformers import AutoModelForCausalLM
+
+    dense, path = dense_dir(model_type)
+    source = open_source(str(path))
+    run_conversion(plan_conversion(source, layers="all"), tmp_path / "stem", progress=False)
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", dtype=torch.float32).eval()
+    tables = attach_tables(student, torch.device("cpu"))
+    ups = Trainer._dense_up_projections(type("T", (), {"source": source, "accelerator": type("A", (), {"device": "cpu"})})(),
+                                        student)
+    set_handoff(student, ups)
+    for table in tables.values():
+        table.gather(ids)
+    with torch.no_grad():
+        assert torch.equal(student(ids).logits, dense(ids).logits)
+        set_blend(student, 1.0)  # a = 1: the STEM model as converted
+        stem = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", dtype=torch.float32).eval()
+        torch.testing.assert_close(student(ids).logits, stem(ids).logits, rtol=0, atol=0)
+
+
+def test_recipe_overrides_and_errors(tmp_path):
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("model: {source: smollm2-135m}\ndata: {train: [a.txt]}\ntrain: {lr: 3e-4, steps: 5}\n")
+    recipe = load_recipe(recipe_file, ["train.steps=7", "tables.optimizer=adam", "train.trainable=[tables, lora]"])
+    assert (recipe.train.steps, recipe.train.lr, recipe.tables.optimizer) == (7, 3e-4, "adam")
+    assert recipe.train.trainable == ["tables", "lora"]
+    for overrides, message in [
+        (["train.stepz=3"], "train.'stepz' is unknown"),
+        (["train.steps=many"], "must be a number"),
+        (["train.trainable=[heads]"], "'heads' is unknown"),
+        (["train.batch_size=6", "train.micro_batch_size=4"], "not a multiple"),
+        (["tables.optimizer=sgd"], "sgd"),
+        (["steps=3"], "section.key=value"),
+    ]:
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(recipe_file, overrides)
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "missing.yaml")
+
+
+def test_packing_puts_eos_between_documents_and_batches_are_deterministic(tmp_path):
+    tokenizer = save_tiny_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.jsonl").write_text('{"text": "w1 w2 w3"}\n\n{"text": "w4 w5"}\n')
+    (tmp_path / "b.txt").write_text("w6 w7 w8 w9")
+    docs = read_documents([tmp_path / "a.jsonl", tmp_path / "b.txt"])
+    assert docs == ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9"]
+    seqs = pack(docs, tokenizer, seq_len=4)
+    eos = VOCAB - 2
+    assert seqs.tolist() == [[1, 2, 3, eos, 4], [4, 5, eos, 6, 7]]  # neighbours share one token
+    many = torch.arange(100).view(20, 5)
+    a, b = Batches(many, 4, seed=3), Batches(many, 4, seed=3)
+    assert torch.equal(a.step(7), b.step(7)) and not torch.equal(a.step(0), a.step(1))
+    seen = torch.cat([a.step(s) for s in range(5)])[:, 0].sort().values
+    assert torch.equal(seen, many[:, 0])  # one epoch reads every sequence once
+    (tmp_path / "bad.jsonl").write_text('{"txt": "w1"}\n')
+    with pytest.raises(Exception, match="no string field 'text'"):
+        read_documents([tmp_path / "bad.jsonl"])
