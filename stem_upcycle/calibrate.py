@@ -43,6 +43,14 @@ def calibration_windows(source, options: dict) -> torch.Tensor:
     return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
 
 
+def fit_ridge(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Ridge regression [x, 1] -> y; returns [d + 1, d_out] (the last row is the intercept)."""
+    x = torch.cat([x, torch.ones(x.shape[0], 1)], 1)  # [n, d + 1]
+    gram = x.T @ x
+    gram += torch.eye(gram.shape[0]) * RIDGE * gram.diagonal().mean()
+    return torch.linalg.solve(gram, x.T @ y)
+
+
 class CalibratedInit(ClosedFormInit):
     name = "calib"
     description = "gate-weighted mean of W_up x per token over calibration text; unseen tokens from a ridge fit"
@@ -66,6 +74,10 @@ class CalibratedInit(ClosedFormInit):
             f"({self.seen.numel() / vocab:.1%} of the vocabulary); unseen tokens use the ridge fit",
             file=sys.stderr,
         )
+        if heldout := plan.init_options.get("heldout_data"):  # how much of the text to be scored has calibrated rows
+            ids = read_token_ids(heldout, load_tokenizer(self.source), None)
+            covered = torch.isin(ids, self.seen).float().mean().item()
+            print(f"calibration covers {covered:.1%} of the {ids.numel()} held-out tokens", file=sys.stderr)
 
     def _calibrate(self, plan, windows: torch.Tensor, model) -> dict[int, torch.Tensor]:
         compact = torch.full((plan.config.vocab_size,), -1, dtype=torch.long)
@@ -122,12 +134,7 @@ class CalibratedInit(ClosedFormInit):
         return hook
 
     def _fit_projection(self, layer: int) -> torch.Tensor:
-        """Ridge regression [x, 1] -> calibrated row over the seen tokens; returns [d + 1, d_ff]."""
-        x = self.mlp_inputs(layer, self.embedding[self.seen])
-        x = torch.cat([x, torch.ones(x.shape[0], 1)], 1)  # [n_seen, d + 1]
-        gram = x.T @ x
-        gram += torch.eye(gram.shape[0]) * RIDGE * gram.diagonal().mean()
-        return torch.linalg.solve(gram, x.T @ self.means[layer])
+        return fit_ridge(self.mlp_inputs(layer, self.embedding[self.seen]), self.means[layer])
 
     def table_rows(self, layer: int) -> RowsFn:
         projection, means = self.projections[layer], self.means[layer]

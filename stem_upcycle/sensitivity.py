@@ -48,39 +48,45 @@ def select_layers(spec: str, source, family: Family, config, init: str, options:
     return chosen, calibrated
 
 
-@torch.no_grad()
 def measure_costs(model, calibrated, family: Family, config, windows: torch.Tensor) -> dict[int, float]:
     """Per layer, the perplexity ratio on `windows` [n, seq] with only that layer converted."""
-    activation = ACT2FN[config.stem_activation]
-    current = {}
+    dense = perplexity_with(model, calibrated, family, config, [], windows)
+    return {layer: perplexity_with(model, calibrated, family, config, [layer], windows) / dense
+            for layer in range(config.num_hidden_layers)}
 
-    def nll() -> float:
+
+@torch.no_grad()
+def perplexity_with(model, calibrated, family: Family, config, layers: list[int], windows: torch.Tensor) -> float:
+    """Perplexity of the dense `model` on `windows` [n, seq] with `layers` converted (calibrated rows)."""
+    activation = ACT2FN[config.stem_activation]
+    ids = windows.unique()
+    current = {}
+    hooks = []
+
+    def stem_mlp(layer):
+        w = {k: (None if v is None else v.float()) for k, v in mlp_projections(calibrated.source, family, layer).items()}
+        tensors = calibrated.source.tensors
+        down = tensors.get(layer_name(layer, family.down + ".weight")).float()
+        bias_name = layer_name(layer, family.down + ".bias")
+        down_bias = tensors.get(bias_name).float() if bias_name in tensors else None
+        rows = calibrated.rows_for(layer, ids)  # [n_ids, d_ff]
+
+        def hook(module, args, output):  # replaces the MLP's output: down(act(gate(x)) * U[ids])
+            up = rows[torch.searchsorted(ids, current["ids"])][None]
+            gate = activation(F.linear(args[0].float(), w["gate"], w["gate_bias"]))
+            return F.linear(gate * up, down, down_bias).to(output.dtype)
+
+        return hook
+
+    for layer in layers:
+        hooks.append(model.base_model.layers[layer].mlp.register_forward_hook(stem_mlp(layer)))
+    try:
         total = 0.0
         for window in windows:
             current["ids"] = window
             logits = model(window[None], use_cache=False).logits[0, :-1].float()
             total += F.cross_entropy(logits, window[1:], reduction="sum").item()
-        return total
-
-    dense = nll()
-    costs = {}
-    for layer in range(config.num_hidden_layers):
-        w = {k: (None if v is None else v.float()) for k, v in mlp_projections(calibrated.source, family, layer).items()}
-        down = calibrated.source.tensors.get(layer_name(layer, family.down + ".weight")).float()
-        down_bias_name = layer_name(layer, family.down + ".bias")
-        down_bias = calibrated.source.tensors.get(down_bias_name).float() if down_bias_name in calibrated.source.tensors else None
-        ids = windows.unique()
-        rows = calibrated.rows_for(layer, ids)  # [n_ids, d_ff]
-
-        def stem_mlp(module, args, output):
-            x = args[0]  # [1, seq, d]
-            up = rows[torch.searchsorted(ids, current["ids"])][None]
-            gate = activation(F.linear(x.float(), w["gate"], w["gate_bias"]))
-            return F.linear(gate * up, down, down_bias).to(output.dtype)
-
-        hook = model.base_model.layers[layer].mlp.register_forward_hook(stem_mlp)
-        try:
-            costs[layer] = math.exp((nll() - dense) / windows[:, 1:].numel())
-        finally:
+    finally:
+        for hook in hooks:
             hook.remove()
-    return costs
+    return math.exp(total / windows[:, 1:].numel())

@@ -83,3 +83,29 @@ def test_calibrated_init_is_far_closer_to_dense_than_the_closed_form(converted, 
     assert figures["calib"]["ppl_ratio"] < 10 < figures["closed-form"]["ppl_ratio"]
     assert figures["calib"]["top1_agreement"] > figures["closed-form"]["top1_agreement"]
     print(json.dumps(figures))
+
+
+def test_short_recovery_run_on_smollm2_lowers_held_out_perplexity(english, tmp_path):
+    """convert (2 layers, calibrated) + `stem-upcycle train` + export, on the real model, in miniature."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(textwrap.dedent(f"""
+        model: {{source: smollm2-135m, layers: "14,15", init: calib, calib_tokens: 4096}}
+        data: {{train: [{english / 'calib.txt'}], eval: [{english / 'heldout.txt'}], seq_len: 256, eval_tokens: 1024,
+               max_train_tokens: 8192}}
+        train: {{steps: 3, batch_size: 2, micro_batch_size: 2, trainable: [tables, gate_down], lr: 1.0e-4,
+                warmup_steps: 0, eval_every: 0}}
+        tables: {{lr: 2.0e-2}}
+    """))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["train", str(recipe), "--output", str(out), "--quiet"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 3]
+    assert log[-1]["eval_ppl"] < log[0]["eval_ppl"] and log[-1]["eval_kl"] < log[0]["eval_kl"]
+    assert not (out / "init").exists()  # the converted starting point is removed once the model is exported
+    config = json.loads((out / "config.json").read_text())
+    assert config["stem_layers"] == [14, 15]
+    result = CliRunner().invoke(main, ["eval", str(out), "--data", str(english / "heldout.txt"), "--max-tokens", "1024",
+                                       "--window", "256", "--json", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["ppl"] < 2 * log[0]["eval_ref_ppl"]

@@ -15,16 +15,15 @@ from ..convert import tensor_order_key
 from ..families import STEM_TABLE, layer_name
 from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards
 from ..source import open_source
-from .student import unwrap_lora
 
 MAX_SHARD_BYTES = 5 * 10**9  # convert's default --max-shard-size
 
 
-def write_model(trainer) -> Path:
+def write_model(trainer, state: dict) -> Path:
+    """Write the trained model into trainer.output; `state`: the dense weights by name (tables come from trainer)."""
     out = trainer.output
     init = open_source(str(trainer.init_dir))
     tables = {layer_name(i, STEM_TABLE): t.weight for i, t in trainer.tables.items()}
-    state = unwrap_lora(trainer.trainable).state_dict()
     specs = []
     for name in sorted(init.tensors.names(), key=tensor_order_key):
         value = tables.get(name, state.get(name))

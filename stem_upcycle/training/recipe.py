@@ -61,7 +61,7 @@ class TrainSection:
 
 @dataclass
 class TablesSection:
-    optimizer: str = "rowwise_adagrad"  # rowwise_adagrad (one scalar of state per row) or adam (lazy, full state)
+    optimizer: str = "rowwise_adagrad"  # rowwise_adagrad (a scalar per row), adam (lazy, full state), adamw (dense)
     lr: float = 1e-2
     warmup_steps: int = 0
     weight_decay: float = 0.0  # decoupled, applied to the rows a step touches
@@ -105,7 +105,7 @@ class Recipe:
 
 
 TRAINABLE_PARTS = ("tables", "gate_down", "mlp", "norms", "attention", "embeddings", "lora")
-TABLE_OPTIMIZERS = ("rowwise_adagrad", "adam")
+TABLE_OPTIMIZERS = ("rowwise_adagrad", "adam", "adamw")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -176,7 +176,7 @@ def _validate(recipe: Recipe) -> None:
     if not t.trainable:
         raise RecipeError("train.trainable is empty; name what trains, e.g. [tables]")
     if recipe.tables.optimizer not in TABLE_OPTIMIZERS:
-        raise RecipeError(f"tables.optimizer {recipe.tables.optimizer!r} is unknown; choose {' or '.join(TABLE_OPTIMIZERS)}")
+        raise RecipeError(f"tables.optimizer {recipe.tables.optimizer!r} is unknown; choose {', '.join(TABLE_OPTIMIZERS)}")
     if t.precision not in PRECISIONS:
         raise RecipeError(f"train.precision {t.precision!r} is unknown; choose {', '.join(PRECISIONS)}")
     for key, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),

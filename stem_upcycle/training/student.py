@@ -51,7 +51,7 @@ def attach_tables(model, device: torch.device) -> dict[int, OffloadedTable]:
     """Swap the STEM MLPs for training ones; the tables' storage moves out of the model, uncopied."""
     tables = {}
     layers = base_model(model).layers
-    for index in model.config.stem_layers:
+    for index in getattr(model.config, "stem_layers", []):  # none in a dense baseline
         mlp = layers[index].mlp
         tables[index] = OffloadedTable(mlp.up_table.weight.data, device)
         layers[index].mlp = TrainingStemMLP(mlp, tables[index])
@@ -90,6 +90,7 @@ def select_trainable(model, parts: list[str], lora=None):
         model.requires_grad_(False)
     stem = "|".join(rf"\.layers\.{i}\.mlp\.(gate_proj|down_proj)\." for i in _stem_layers(model))
     patterns = [stem if part == "gate_down" else PARTS[part] for part in parts if part not in ("tables", "lora")]
+    patterns = [p for p in patterns if p]  # gate_down names nothing in a model without STEM layers
     for name, param in model.named_parameters():
         if any(re.search(p, name) for p in patterns) and "lora_" not in name:
             param.requires_grad_(True)
@@ -97,7 +98,7 @@ def select_trainable(model, parts: list[str], lora=None):
 
 
 def _stem_layers(model) -> list[int]:
-    return list(model.config.stem_layers)
+    return list(getattr(model.config, "stem_layers", []))
 
 
 def unwrap_lora(model):

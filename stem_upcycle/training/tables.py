@@ -9,7 +9,9 @@ state is ever the size of the table:
 - `rowwise_adagrad` keeps one float per row, the running sum of the row's mean squared gradient
   (the standard optimizer of huge recommendation tables);
 - `adam` is Adam with full first and second moments, updated lazily on the touched rows (torch's
-  SparseAdam semantics); its state is twice the table, kept for comparison.
+  SparseAdam semantics); its state is twice the table, kept for comparison;
+- `adamw` is plain dense AdamW: every row is gathered and updated every step (gradients, state and
+  update all of table size), the baseline the row-wise optimizers are measured against.
 """
 
 import math
@@ -102,7 +104,13 @@ class LazyAdam:
         self.state = [{k: state[f"{k}.{i}"].clone() for k in ("m", "v", "t")} for i in range(len(self.tables))]
 
 
-TABLE_OPTIMIZERS = {"rowwise_adagrad": RowwiseAdagrad, "adam": LazyAdam}
+class DenseAdamW(LazyAdam):
+    """AdamW on whole tables: with every row gathered each step, lazy Adam is exactly AdamW."""
+
+    all_rows = True
+
+
+TABLE_OPTIMIZERS = {"rowwise_adagrad": RowwiseAdagrad, "adam": LazyAdam, "adamw": DenseAdamW}
 
 
 def clip_rows(tables: list[OffloadedTable], max_norm: float) -> float:

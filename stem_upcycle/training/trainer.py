@@ -14,6 +14,7 @@ batch). Output layout:
 """
 
 import math
+import resource
 import shutil
 import sys
 import time
@@ -31,7 +32,7 @@ from . import checkpoint, export
 from .data import Batches, load_data
 from .losses import HeadLoss, head_loss
 from .recipe import Recipe
-from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff
+from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff, unwrap_lora
 from .tables import TABLE_OPTIMIZERS, clip_rows
 
 
@@ -63,7 +64,7 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> 
 
 class Trainer:
     def __init__(self, recipe: Recipe, output: Path, resume: bool = False, progress: bool = True):
-        from accelerate import Accelerator
+        from accelerate import Accelerator, DistributedType
 
         self.recipe, self.output, self.progress = recipe, Path(output), progress
         t = recipe.train
@@ -77,6 +78,9 @@ class Trainer:
         if t.batch_size % (self.world * t.micro_batch_size):
             raise TrainError(f"train.batch_size {t.batch_size} must be a multiple of processes x micro_batch_size "
                              f"({self.world} x {t.micro_batch_size})")
+        if acc.distributed_type == DistributedType.FSDP and (t.checkpoint_every or "lora" in t.trainable):
+            raise TrainError("under FSDP, set train.checkpoint_every: 0 and train LoRA-free: sharded checkpoints and "
+                             "merging sharded adapters are not supported yet")
         checkpoint.prepare_output(self.output, recipe, resume, acc.is_main_process)
         acc.wait_for_everyone()
         torch.manual_seed(t.seed)
@@ -90,8 +94,10 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         student = AutoModelForCausalLM.from_pretrained(self.init_dir, dtype=torch.float32)
-        if student.config.model_type != "stem":
-            raise TrainError(f"{self.init_dir} is not a STEM model; model.init_from must name a converted checkpoint")
+        if student.config.model_type != "stem" and ("tables" in t.trainable or recipe.handoff.steps):
+            # A dense init_from is allowed as a baseline: the dense model fine-tuned by the same recipe.
+            raise TrainError(f"{self.init_dir} is not a STEM model, so it has no tables to train or hand off to; "
+                             f"model.init_from must name a converted checkpoint")
         self.causal_lm = student
         self.tables = attach_tables(student, acc.device)
         self.handoff_from = 0
@@ -128,8 +134,11 @@ class Trainer:
             from ..convert import plan_conversion, run_conversion
             from .data import expand_files
 
-            calib = [str(f) for f in expand_files(m.calib_data or self.recipe.data.train, "model.calib_data")]
-            options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len}
+            heldout = expand_files(self.recipe.data.eval, "data.eval")
+            calib = [str(f) for f in expand_files(m.calib_data or self.recipe.data.train, "model.calib_data")
+                     if f not in heldout]  # held-out text is never calibrated on either
+            options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len,
+                       "heldout_data": [str(f) for f in heldout]}
             plan = plan_conversion(self.source, layers=m.layers, init=m.init, dtype="float32", init_options=options)
             print(plan.describe(), file=sys.stderr)
             run_conversion(plan, init_dir, overwrite=True, progress=self.progress,
@@ -176,8 +185,9 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         t, acc = self.recipe.train, self.accelerator
         batch = self.batches.step(step).to(acc.device)  # [batch_size, seq_len + 1], the global batch
+        every_row = getattr(self.table_optimizer, "all_rows", False)  # dense AdamW updates whole tables
         for table in self.tables.values():  # the rows of the whole global batch, on every process
-            table.gather(batch[:, :-1])
+            table.gather(torch.arange(table.weight.shape[0], device=acc.device) if every_row else batch[:, :-1])
         set_blend(self.causal_lm, self._blend(step))
         mine = batch.chunk(self.world)[acc.process_index]
         micro = mine.split(t.micro_batch_size)
@@ -265,6 +275,7 @@ class Trainer:
             record = self.train_step(step)
             elapsed = time.perf_counter() - started
             record["tokens_per_s"] = (self.tokens_seen - tokens_at_start) / elapsed
+            record["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB -> GiB (Linux)
             done = step + 1
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 record.update(self.evaluate())
@@ -281,8 +292,12 @@ class Trainer:
     def export(self) -> Path:
         acc = self.accelerator
         acc.wait_for_everyone()
+        if "lora" in self.recipe.train.trainable:  # adapters merged into their base weights
+            state = unwrap_lora(self.trainable).state_dict()
+        else:  # every process takes part: under FSDP this gathers the full weights on the main one
+            state = {k.removeprefix("student."): v for k, v in acc.get_state_dict(self.step_module).items()}
         if acc.is_main_process:
-            export.write_model(self)
+            export.write_model(self, state)
             if not self.recipe.model.init_from:
                 shutil.rmtree(self.init_dir, ignore_errors=True)
         acc.wait_for_everyone()
