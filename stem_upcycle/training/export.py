@@ -59,7 +59,7 @@ def _add_training_card(card: Path, trainer) -> None:
         "\n## Recovery training (stem-upcycle train)\n",
         f"Trained {recipe.train.steps} steps, {trainer.tokens_seen} tokens, on {', '.join(recipe.data.train)}; "
         f"trainable: {', '.join(recipe.train.trainable)}; losses: {recipe.loss.kd_weight} x KL to `{recipe.model.source}` "
-        f"+ {recipe.loss.ce_weight} x cross-entropy. The recipe as run is in the training output (`recipe.yaml`).\n",
+        f"+ {recipe.loss.ce_weight} x cross-entropy. The recipe as run is in the training output (`recipe.yaml`).\n\n",
     ]
     if evals:
         first, last = evals[0], evals[-1]
