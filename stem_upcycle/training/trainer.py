@@ -100,7 +100,6 @@ class Trainer:
                              f"model.init_from must name a converted checkpoint")
         self.causal_lm = student
         self.tables = attach_tables(student, acc.device)
-        self.handoff_from = 0
         if recipe.handoff.steps:
             set_handoff(student, self._dense_up_projections(student))
         self.trainable = select_trainable(student, t.trainable, recipe.lora)
