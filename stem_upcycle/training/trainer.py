@@ -242,7 +242,7 @@ class Trainer:
         acc, t = self.accelerator, self.recipe.train
         sums = torch.zeros(4, dtype=torch.float64, device=acc.device)
         ref_nll = 0.0
-        spec = _unwrap(self.step_module).spec
+        spec = acc.unwrap_model(self.step_module).spec
         for chunk in self.heldout.to(acc.device).split(t.micro_batch_size):
             inputs, targets = chunk[:, :-1], chunk[:, 1:]
             for table in self.tables.values():
@@ -301,10 +301,6 @@ class Trainer:
                 shutil.rmtree(self.init_dir, ignore_errors=True)
         acc.wait_for_everyone()
         return self.output
-
-
-def _unwrap(module):
-    return getattr(module, "module", module)
 
 
 def train(recipe: Recipe, output: str | Path, resume: bool = False, progress: bool = True) -> Path:
