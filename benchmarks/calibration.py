@@ -39,7 +39,7 @@ def unseen_row_errors(calibrated: CalibratedInit, layer: int, generator: torch.G
     x = calibrated.mlp_inputs(layer, calibrated.embedding[seen])
     target = means[hidden]
     projection = fit_ridge(x[fit], means[fit])
-    up = mlp_projections(calibrated.source, calibrated.family, layer)
+    up = mlp_projections(calibrated.source.tensors, calibrated.family, layer)
     closed = x[hidden] @ up["up"].float().T + (0 if up["up_bias"] is None else up["up_bias"].float())
     predictions = {
         "ridge": x[hidden] @ projection[:-1] + projection[-1],

@@ -93,7 +93,7 @@ class CalibratedInit(ClosedFormInit):
             current = {}
             hooks = []
             for layer in layers:
-                weights = {k: (None if v is None else v.float()) for k, v in mlp_projections(self.source, self.family, layer).items()}
+                weights = {k: (None if v is None else v.float()) for k, v in mlp_projections(self.source.tensors, self.family, layer).items()}
                 mlp = model.base_model.layers[layer].mlp
                 hooks.append(mlp.register_forward_pre_hook(self._accumulator(
                     sums[layer], weights, activation, current, stop=layer == layers[-1])))

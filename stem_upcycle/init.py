@@ -5,12 +5,12 @@ rows [start, stop) of that layer's table into a given buffer. Conversion streams
 chunk by chunk, so an initialiser never returns a whole table. The registry is `initialisers.py`.
 """
 
-from typing import Callable, Protocol
+from typing import Callable, Mapping, Protocol
 
 import torch
 
 from .families import EMBEDDING, Family, embed_multiplier, layer_name
-from .source import Source
+from .source import Source, TensorStore
 
 RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [stop - start, d_ff])
 
@@ -24,9 +24,11 @@ class TableInit(Protocol):
     def table_rows(self, layer: int) -> RowsFn: ...
 
 
-def mlp_projections(source: Source, family: Family, layer: int) -> dict[str, torch.Tensor | None]:
-    """The layer's dense gate and up weights [d_ff, d] and biases; Phi-3's fused gate_up is split."""
-    tensors = source.tensors
+def mlp_projections(tensors: TensorStore | Mapping[str, torch.Tensor], family: Family,
+                    layer: int) -> dict[str, torch.Tensor | None]:
+    """The layer's dense gate and up weights [d_ff, d] and biases; Phi-3's fused gate_up is split.
+
+    `tensors`: a source's lazy store, or a loaded model's state dict (the same checkpoint names)."""
     if family.fused_gate_up:
         fused = tensors.get(layer_name(layer, family.fused_gate_up + ".weight"))
         d_ff = fused.shape[0] // 2
@@ -67,7 +69,7 @@ class ClosedFormInit:
         return x
 
     def table_rows(self, layer: int) -> RowsFn:
-        weights = mlp_projections(self.source, self.family, layer)
+        weights = mlp_projections(self.source.tensors, self.family, layer)
         up_t = weights["up"].float().t().contiguous()  # [d, d_ff]
         bias = None if weights["up_bias"] is None else weights["up_bias"].float()
 

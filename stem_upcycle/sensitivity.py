@@ -64,7 +64,7 @@ def perplexity_with(model, calibrated, family: Family, config, layers: list[int]
     hooks = []
 
     def stem_mlp(layer):
-        w = {k: (None if v is None else v.float()) for k, v in mlp_projections(calibrated.source, family, layer).items()}
+        w = {k: (None if v is None else v.float()) for k, v in mlp_projections(calibrated.source.tensors, family, layer).items()}
         tensors = calibrated.source.tensors
         down = tensors.get(layer_name(layer, family.down + ".weight")).float()
         bias_name = layer_name(layer, family.down + ".bias")

@@ -9,9 +9,8 @@ from stem_upcycle.source import open_source
 from stem_upcycle.training.data import Batches, pack, read_documents
 from stem_upcycle.training.losses import IGNORE, HeadLoss, head_loss
 from stem_upcycle.training.recipe import RecipeError, load_recipe
-from stem_upcycle.training.student import attach_tables, set_blend, set_handoff
+from stem_upcycle.training.student import attach_tables, base_model, set_blend, set_handoff
 from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagrad
-from stem_upcycle.training.trainer import Trainer
 
 from .conftest import VOCAB, save_tiny_tokenizer
 
@@ -94,9 +93,11 @@ def test_handoff_at_blend_zero_is_the_dense_model_exactly(dense_dir, tmp_path, i
     run_conversion(plan_conversion(source, layers="all"), tmp_path / "stem", progress=False)
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", dtype=torch.float32).eval()
     tables = attach_tables(student, torch.device("cpu"))
-    ups = Trainer._dense_up_projections(type("T", (), {"source": source, "accelerator": type("A", (), {"device": "cpu"})})(),
-                                        student)
-    set_handoff(student, ups)
+    set_handoff(student, dense)  # borrows the teacher's up-projections
+    stem_mlp = base_model(student).layers[0].mlp
+    dense_storage = {p.untyped_storage().data_ptr() for p in dense.parameters()}
+    assert stem_mlp.dense_up[0].untyped_storage().data_ptr() in dense_storage  # shared, not copied
+    assert not any("up_proj" in name for name in student.state_dict())  # and no parameter of the student
     for table in tables.values():
         table.gather(ids)
     with torch.no_grad():

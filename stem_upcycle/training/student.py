@@ -2,7 +2,7 @@
 
 Each `StemMLP` is swapped for a `TrainingStemMLP` that shares its gate and down projections (so
 parameter names are unchanged) and looks its up rows up in an `OffloadedTable` instead of an
-`nn.Embedding`. During a hand-off it blends in the dense up-projection:
+`nn.Embedding`. During a hand-off it blends in the teacher's dense up-projection:
 
     up = (1 - a) * W_up x + a * U[ids]      a = 0: exactly the dense MLP; a = 1: the STEM MLP
 
@@ -12,8 +12,11 @@ What trains is chosen by name, in one declarative table (`PARTS`); LoRA adapters
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..families import family_for
+from ..init import mlp_projections
 from ..modeling.modeling_stem import StemMLP
 from .tables import OffloadedTable
 
@@ -33,13 +36,15 @@ class TrainingStemMLP(nn.Module):
         self.gate_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.down_proj, mlp.act_fn
         self.token_ids = mlp.token_ids
         self.table = table  # not a module: kept out of parameters, state dicts, DDP and FSDP
-        self.up_proj = None  # the frozen dense up-projection, only during a hand-off
+        # The frozen dense up-projection (weight [d_ff, d], bias), only during a hand-off: the
+        # teacher's own tensors, borrowed uncopied and, like the table, no parameter of this model.
+        self.dense_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.blend = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.table.lookup(self.token_ids.ids).to(x.dtype)  # [batch, seq, d_ff]
         if self.blend < 1.0:
-            up = (1.0 - self.blend) * self.up_proj(x) + self.blend * up
+            up = (1.0 - self.blend) * F.linear(x, *self.dense_up) + self.blend * up
         return self.down_proj(self.act_fn(self.gate_proj(x)) * up)  # [batch, seq, d]
 
 
@@ -62,13 +67,19 @@ def stem_mlps(model) -> list[TrainingStemMLP]:
     return [m for m in model.modules() if isinstance(m, TrainingStemMLP)]
 
 
-def set_handoff(model, up_projections: dict[int, nn.Linear] | None) -> None:
-    """Give the STEM layers their dense up-projections (frozen) for a blended hand-off; None drops them."""
+def set_handoff(model, dense=None) -> None:
+    """Start a blended hand-off at a = 0 with the up-projections of `dense` (the teacher, a dense model
+    of the same family); None ends it, dropping them."""
+    weights = None if dense is None else dense.state_dict(keep_vars=True)  # checkpoint names, no copies
+    family = None if dense is None else family_for(dense.config.model_type)
     layers = base_model(model).layers
     for index in model.config.stem_layers:
         mlp = layers[index].mlp
-        mlp.up_proj = None if up_projections is None else up_projections[index].requires_grad_(False)
-        mlp.blend = 1.0 if up_projections is None else 0.0
+        if dense is None:
+            mlp.dense_up, mlp.blend = None, 1.0
+        else:
+            w = mlp_projections(weights, family, index)
+            mlp.dense_up, mlp.blend = (w["up"].detach(), None if w["up_bias"] is None else w["up_bias"].detach()), 0.0
 
 
 def set_blend(model, blend: float) -> None:

@@ -26,7 +26,6 @@ from torch import nn
 
 from ..errors import UserError
 from ..evaluate import load_tokenizer, model_from_source
-from ..init import mlp_projections
 from ..source import open_source
 from . import checkpoint, export
 from .data import Batches, load_data
@@ -100,12 +99,12 @@ class Trainer:
                              f"model.init_from must name a converted checkpoint")
         self.causal_lm = student
         self.tables = attach_tables(student, acc.device)
+        self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
         if recipe.handoff.steps:
-            set_handoff(student, self._dense_up_projections(student))
+            set_handoff(student, self.teacher)
         self.trainable = select_trainable(student, t.trainable, recipe.lora)
         if t.gradient_checkpointing:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
         spec = HeadLoss.for_config(student.config, ce_weight=recipe.loss.ce_weight, kd_weight=recipe.loss.kd_weight,
                                    temperature=recipe.loss.temperature, chunk_tokens=recipe.loss.chunk_tokens)
         self.step_module = DistillStep(student, spec)
@@ -152,21 +151,6 @@ class Trainer:
             raise TrainError(f"{self.recipe.model.source} has a vocabulary of {teacher.config.vocab_size}, the STEM "
                              f"model one of {self.causal_lm.config.vocab_size}; the teacher must be its dense base")
         return teacher
-
-    def _dense_up_projections(self, student) -> dict[int, nn.Linear]:
-        from ..families import family_for
-
-        family = family_for(self.source.config.model_type)
-        ups = {}
-        for layer in student.config.stem_layers:
-            w = mlp_projections(self.source, family, layer)
-            linear = nn.Linear(w["up"].shape[1], w["up"].shape[0], bias=w["up_bias"] is not None)
-            with torch.no_grad():
-                linear.weight.copy_(w["up"].float())
-                if w["up_bias"] is not None:
-                    linear.bias.copy_(w["up_bias"].float())
-            ups[layer] = linear.to(self.accelerator.device)
-        return ups
 
     # -- one step ------------------------------------------------------------------------------
     def _teacher_hidden(self, inputs):
