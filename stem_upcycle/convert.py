@@ -24,7 +24,7 @@ from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS, parse_layers
 from .sensitivity import is_auto, select_layers
 from .modeling import StemConfig
-from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
+from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards, staging_dir
 from .source import Source
 
 MODELING_DIR = Path(__file__).parent / "modeling"
@@ -260,9 +260,7 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
     out = Path(out)
     check_output(out, overwrite, plan.source, plan.total_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging = staging_dir(out.parent, f".{out.name}")
     try:
         _write_weights(plan, staging, progress)
         _write_side_files(plan, staging, command)

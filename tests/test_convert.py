@@ -1,6 +1,7 @@
 """`stem-upcycle convert` and `inspect`: sources, output layout, nothing lost on bad input."""
 
 import json
+import os
 from collections import namedtuple
 from pathlib import Path
 
@@ -182,6 +183,19 @@ def test_crash_mid_conversion_leaves_no_output_and_keeps_the_old_one(dense_dir, 
         run_cli("convert", src, tmp_path / "fresh", "--quiet")
     assert not (tmp_path / "fresh").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging directory left behind"
+
+
+def test_staging_left_by_a_killed_run_is_removed_and_a_running_ones_kept(dense_dir, tmp_path):
+    _, src = dense_dir("llama")
+    killed, running = tmp_path / ".out.partial-999999999", tmp_path / f".out.partial-{os.getppid()}"
+    for staging in (killed, running):
+        staging.mkdir()
+        (staging / "model-00001-of-00002.safetensors").write_bytes(b"half written")
+    other = tmp_path / ".other.partial-999999999"  # another output's: not this conversion's to touch
+    other.mkdir()
+    convert(src, tmp_path / "out")
+    assert not killed.exists() and running.exists() and other.exists()
+    assert (tmp_path / "out" / "config.json").exists()
 
 
 def test_too_little_disk_space_fails_with_the_numbers(dense_dir, tmp_path, monkeypatch):

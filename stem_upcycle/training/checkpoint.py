@@ -3,7 +3,7 @@
 A checkpoint holds everything a step changes: the tables, the trainable dense weights, both
 optimizers' states and the step count. Data order is a function of the step (see `data.Batches`),
 so the step after a resume reads the same sequences and computes the same loss as it would have
-in an uninterrupted run. Checkpoints are written to `step-N.partial` and renamed when complete.
+in an uninterrupted run. Checkpoints are written to `step.partial-PID` and renamed to `step-N` when complete.
 """
 
 import json
@@ -15,6 +15,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from ..errors import UserError
+from ..shards import staging_dir
 
 # Keys that may change between a run and its resume without changing what was computed so far.
 RESUMABLE_CHANGES = {("train", "steps"), ("train", "eval_every"), ("train", "checkpoint_every"),
@@ -69,9 +70,8 @@ def save(trainer, step: int) -> None:
     acc.wait_for_everyone()
     if acc.is_main_process:
         root = trainer.output / "checkpoints"
-        final, partial = root / f"step-{step}", root / f"step-{step}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        root.mkdir(parents=True, exist_ok=True)
+        final, partial = root / f"step-{step}", staging_dir(root, "step")
         tables = {f"table.{i}": t.weight for i, t in trainer.tables.items()}
         if trainer.table_optimizer is not None:
             tables |= {f"optimizer.{k}": v for k, v in trainer.table_optimizer.state_dict().items()}
@@ -81,20 +81,22 @@ def save(trainer, step: int) -> None:
             torch.save(trainer.dense_optimizer.state_dict(), partial / "dense_optimizer.pt")
         (partial / "state.json").write_text(json.dumps({"step": step, "tokens_seen": trainer.tokens_seen}))
         partial.rename(final)
-        done = sorted((p for p in root.glob("step-*") if not p.name.endswith(".partial")), key=_step_of)
+        done = _complete(root)
         for old in done[: max(0, len(done) - trainer.recipe.train.keep_checkpoints)]:
             shutil.rmtree(old)
     acc.wait_for_everyone()
 
 
-def _step_of(path: Path) -> int:
-    return int(path.name.split("-")[1])
+def _complete(root: Path) -> list[Path]:
+    """The finished checkpoints, oldest first."""
+    done = [p for p in root.glob("step-*") if p.name.removeprefix("step-").isdigit()] if root.exists() else []
+    return sorted(done, key=lambda p: int(p.name.removeprefix("step-")))
 
 
 def load_latest(trainer) -> tuple[int, int]:
     """Restore the newest complete checkpoint; (step, tokens seen), or (0, 0) when there is none."""
     root = trainer.output / "checkpoints"
-    done = sorted((p for p in root.glob("step-*") if not p.name.endswith(".partial")), key=_step_of) if root.exists() else []
+    done = _complete(root)
     if not done:
         return 0, 0
     path = done[-1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..convert import tensor_order_key
 from ..families import STEM_TABLE, layer_name
-from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards
+from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards, staging_dir
 from ..source import open_source
 
 MAX_SHARD_BYTES = 5 * 10**9  # convert's default --max-shard-size
@@ -30,9 +30,7 @@ def write_model(trainer, state: dict) -> Path:
         if value is None or tuple(value.shape) != init.tensors.shape(name):
             raise RuntimeError(f"the trained model has no tensor {name} shaped like the converted one")
         specs.append(TensorSpec(name, init.tensors.shape(name), init.tensors.dtype(name)))
-    staging = out / f".export.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging = staging_dir(out, ".export")
     try:
         writer = ShardWriter(staging, plan_shards(specs, MAX_SHARD_BYTES))
         for spec in specs:
