@@ -98,7 +98,11 @@ def test_resume_continues_exactly(workspace, monkeypatch):
         Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "b", progress=False).run()
     monkeypatch.setattr(Trainer, "train_step", real_step)
     assert not (workspace / "b" / "config.json").exists()  # nothing that looks like a finished model
+    stale = workspace / "b" / "checkpoints" / "step.partial-999999999"  # a checkpoint write cut short by SIGKILL
+    stale.mkdir()
+    (stale / "tables.safetensors").write_bytes(b"half written")
     Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "b", resume=True, progress=False).run()
+    assert not stale.exists()
     resumed = _log(workspace / "b")
     assert [r["step"] for r in resumed] == [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4, 5]
     for a, b in zip(uninterrupted, resumed):
@@ -117,6 +121,10 @@ def test_train_cli_refuses_to_mix_runs(workspace):
     assert (workspace / "busy" / "keep.txt").read_text() == "user data"
     result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "fresh"), "--resume", *sets])
     assert result.exit_code == 1 and "no training run" in result.output
+    with pytest.MonkeyPatch.context() as env:  # launched as 2 processes, but not as a distributed run
+        env.setenv("WORLD_SIZE", "2")
+        result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "fresh"), *sets])
+    assert result.exit_code == 1 and "accelerate launch --cpu" in result.output and not (workspace / "fresh").exists()
     result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "x"), "--set", "train.steps=0"])
     assert result.exit_code == 1 and "train.steps must be positive" in result.output
 

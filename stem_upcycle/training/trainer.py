@@ -14,6 +14,7 @@ batch). Output layout:
 """
 
 import math
+import os
 import resource
 import shutil
 import sys
@@ -74,6 +75,11 @@ class Trainer:
         self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
         acc = self.accelerator
         self.world = acc.num_processes
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and self.world == 1:  # e.g. `accelerate launch` without --cpu on a machine with no GPU
+            raise TrainError(f"{launched} processes were launched but accelerate started no distributed training, so "
+                             f"each would train alone into the same DIR; on a machine without GPUs launch with "
+                             f"`accelerate launch --cpu`")
         if t.batch_size % (self.world * t.micro_batch_size):
             raise TrainError(f"train.batch_size {t.batch_size} must be a multiple of processes x micro_batch_size "
                              f"({self.world} x {t.micro_batch_size})")
