@@ -10,7 +10,7 @@ from typing import Callable, Mapping, Protocol
 import torch
 
 from .families import EMBEDDING, Family, embed_multiplier, layer_name
-from .source import Source, TensorStore
+from .source import TensorStore
 
 RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [stop - start, d_ff])
 
