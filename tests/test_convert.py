@@ -3,7 +3,6 @@
 import json
 import os
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 import torch

@@ -13,7 +13,6 @@ from safetensors import safe_open
 from stem_upcycle.cli import main
 from stem_upcycle.convert import plan_conversion, run_conversion
 from stem_upcycle.source import open_source
-from stem_upcycle.training import trainer as trainer_module
 from stem_upcycle.training.recipe import load_recipe
 from stem_upcycle.training.trainer import Trainer
 
