@@ -70,16 +70,17 @@ def stem_mlps(model) -> list[TrainingStemMLP]:
 def set_handoff(model, dense=None) -> None:
     """Start a blended hand-off at a = 0 with the up-projections of `dense` (the teacher, a dense model
     of the same family); None ends it, dropping them."""
-    weights = None if dense is None else dense.state_dict(keep_vars=True)  # checkpoint names, no copies
-    family = None if dense is None else family_for(dense.config.model_type)
+    if dense is None:
+        for mlp in stem_mlps(model):
+            mlp.dense_up, mlp.blend = None, 1.0
+        return
+    weights = dense.state_dict(keep_vars=True)  # checkpoint names, no copies
+    family = family_for(dense.config.model_type)
     layers = base_model(model).layers
     for index in model.config.stem_layers:
-        mlp = layers[index].mlp
-        if dense is None:
-            mlp.dense_up, mlp.blend = None, 1.0
-        else:
-            w = mlp_projections(weights, family, index)
-            mlp.dense_up, mlp.blend = (w["up"].detach(), None if w["up_bias"] is None else w["up_bias"].detach()), 0.0
+        w = mlp_projections(weights, family, index)
+        bias = None if w["up_bias"] is None else w["up_bias"].detach()
+        layers[index].mlp.dense_up, layers[index].mlp.blend = (w["up"].detach(), bias), 0.0
 
 
 def set_blend(model, blend: float) -> None:
