@@ -101,7 +101,12 @@ def test_handoff_at_blend_zero_is_the_dense_model_exactly(dense_dir, tmp_path, i
     for table in tables.values():
         table.gather(ids)
     with torch.no_grad():
-        assert torch.equal(student(ids).logits, dense(ids).logits)
+        if model_type == "phi3":
+            # Phi-3's dense MLP runs one fused gate_up matmul, the hand-off two split ones: the same
+            # sums, blocked differently by the CPU's kernels (AVX-512 rounds them apart), so a tolerance.
+            torch.testing.assert_close(student(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-6)
+        else:  # the same operations in the same order: bit-identical on any CPU
+            assert torch.equal(student(ids).logits, dense(ids).logits)
         set_blend(student, 1.0)  # a = 1: the STEM model as converted
         stem = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", dtype=torch.float32).eval()
         torch.testing.assert_close(student(ids).logits, stem(ids).logits, rtol=0, atol=0)
