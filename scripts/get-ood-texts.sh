@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Put three held-out English evaluation texts, none of them Shakespeare, under data/ood/:
+#   botchan.txt  novel: Natsume, "Botchan" (1919 English translation), Project Gutenberg #8868,
+#                public domain; shipped as test/botchan.txt in the sentencepiece==0.2.0 sdist
+#   lcet10.txt   non-fiction: Library of Congress "Workshop on Electronic Texts: Proceedings"
+#                (1992), Project Gutenberg etext, public domain (Canterbury corpus); shipped as
+#                tests/testdata/lcet10.txt in the brotli==1.1.0 sdist
+#   flask_docs.txt  technical documentation: Flask's docs/*.rst (BSD-3-Clause, LICENSE.txt in
+#                the flask==3.1.3 sdist), reduced to prose by scripts/rst2prose.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+dl() { python -m pip download --quiet --disable-pip-version-check --no-deps --no-binary "${1%%==*}" "$1" -d "$tmp"; }
+dl sentencepiece==0.2.0
+dl brotli==1.1.0
+dl flask==3.1.3
+tar -xzf "$tmp"/sentencepiece-0.2.0.tar.gz -C "$tmp" sentencepiece-0.2.0/test/botchan.txt
+tar -xzf "$tmp"/Brotli-1.1.0.tar.gz -C "$tmp" Brotli-1.1.0/tests/testdata/lcet10.txt
+tar -xzf "$tmp"/flask-3.1.3.tar.gz -C "$tmp" flask-3.1.3/docs
+mkdir -p data/ood
+# Gutenberg texts: CRLF -> LF, BOM off, keep only the body between the START/END markers
+tr -d '\r' < "$tmp"/sentencepiece-0.2.0/test/botchan.txt | sed '1s/^\xEF\xBB\xBF//' \
+  | awk 'on; /^--\(THE END\)--/{exit} /^\*\*\* START OF/{on=1}' | grep -v '^Produced by ' > data/ood/botchan.txt
+tr -d '\r' < "$tmp"/Brotli-1.1.0/tests/testdata/lcet10.txt | grep -vi 'project gutenberg etext' \
+  | sed 's/^[[:space:]]*//; s/[[:space:]]*$//' | cat -s > data/ood/lcet10.txt
+# Flask docs: every .rst but the changelog and the licence page, in byte order, as prose
+(cd "$tmp"/flask-3.1.3 && find docs -name '*.rst' ! -name changes.rst ! -name license.rst | LC_ALL=C sort) \
+  | sed "s|^|$tmp/flask-3.1.3/|" | xargs python scripts/rst2prose.py > data/ood/flask_docs.txt
+echo "$(ls data/ood | wc -l) texts in data/ood/: $(cat data/ood/*.txt | wc -w) words"
