@@ -35,9 +35,17 @@ class _StopForward(Exception):
 
 
 def calibration_windows(source, options: dict) -> torch.Tensor:
-    """[n, seq_len] token ids of the calibration text (the tail that fills no window dropped)."""
+    """[n, seq_len] token ids: the calibration text's, then those of `calib_generated` (ids sampled from the
+    dense model itself, see generate.py), together at most `calib_tokens`; a tail that fills no window is dropped."""
     seq_len = options.get("calib_seq_len", 512)
-    ids = read_token_ids(options["calib_data"], load_tokenizer(source), options.get("calib_tokens"))
+    generated = options.get("calib_generated")
+    generated = torch.zeros(0, dtype=torch.long) if generated is None else generated.flatten().long()
+    total = options.get("calib_tokens")
+    text_budget = None if total is None else max(0, total - generated.numel())
+    parts = [generated[:total]]
+    if options.get("calib_data") and text_budget != 0:
+        parts.insert(0, read_token_ids(options["calib_data"], load_tokenizer(source), text_budget))
+    ids = torch.cat(parts)
     if ids.numel() < seq_len:
         raise CalibrationError(f"the calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
     return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
@@ -58,6 +66,7 @@ class CalibratedInit(ClosedFormInit):
     needs_data = True
 
     def __init__(self, plan, progress: bool = False, model=None):
+        """`model`: the dense model already loaded (also taken from init_options["dense_model"]); else loaded here."""
         super().__init__(plan)
         self.progress = progress
         reused = plan.init_options.get("calibration")  # computed already, for every layer, by --layers auto
@@ -66,7 +75,8 @@ class CalibratedInit(ClosedFormInit):
             return
         self.windows = calibration_windows(self.source, plan.init_options)
         self.seen = self.windows.unique()  # sorted ids present in the corpus
-        self.means = self._calibrate(plan, self.windows, model or model_from_source(self.source))  # layer -> [n_seen, d_ff]
+        model = model or plan.init_options.get("dense_model") or model_from_source(self.source)
+        self.means = self._calibrate(plan, self.windows, model)  # layer -> [n_seen, d_ff]
         self.projections = {layer: self._fit_projection(layer) for layer in plan.layers}
         vocab = plan.config.vocab_size
         print(
@@ -86,14 +96,18 @@ class CalibratedInit(ClosedFormInit):
         per_layer = self.seen.numel() * d_ff * 4 * 2
         group = max(1, CALIB_MEMORY_BYTES // per_layer)
         activation = ACT2FN[plan.config.stem_activation]
+        device = model.device  # accumulate where the model runs (the teacher may already sit on a GPU)
+        compact = compact.to(device)
         means = {}
         for first in range(0, len(plan.layers), group):
             layers = plan.layers[first : first + group]
-            sums = {layer: (torch.zeros(self.seen.numel(), d_ff), torch.zeros(self.seen.numel(), d_ff)) for layer in layers}
+            sums = {layer: (torch.zeros(self.seen.numel(), d_ff, device=device),
+                            torch.zeros(self.seen.numel(), d_ff, device=device)) for layer in layers}
             current = {}
             hooks = []
             for layer in layers:
-                weights = {k: (None if v is None else v.float()) for k, v in mlp_projections(self.source.tensors, self.family, layer).items()}
+                weights = {k: (None if v is None else v.to(device, torch.float32))
+                           for k, v in mlp_projections(self.source.tensors, self.family, layer).items()}
                 mlp = model.base_model.layers[layer].mlp
                 hooks.append(mlp.register_forward_pre_hook(self._accumulator(
                     sums[layer], weights, activation, current, stop=layer == layers[-1])))
@@ -102,6 +116,7 @@ class CalibratedInit(ClosedFormInit):
                            disable=not self.progress, file=sys.stderr)
                 with torch.no_grad():
                     for window in bar:
+                        window = window.to(device)
                         current["index"] = compact[window]  # [seq_len]
                         try:
                             model(window[None], use_cache=False)
@@ -111,7 +126,7 @@ class CalibratedInit(ClosedFormInit):
                 for hook in hooks:
                     hook.remove()
             for layer, (num, den) in sums.items():
-                means[layer] = num / den.clamp_min(1e-12)
+                means[layer] = (num / den.clamp_min(1e-12)).cpu()
         return means
 
     def _accumulator(self, sums, weights, activation, current, stop: bool):

@@ -98,29 +98,46 @@ def inspect(path, as_json):
 
 @main.command("eval")
 @click.argument("model")
-@click.option("--data", "files", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Plain-text file to score; repeat for several.")
+@click.option("--data", "specs", multiple=True, metavar="[NAME=]FILE",
+              help="Held-out text: NAME=FILE adds FILE to set NAME (repeat to join files), FILE alone is a set named "
+                   "after the file; each set is scored and reported on its own.")
 @click.option("--reference", help="Dense model to compare with (any SOURCE form convert accepts).")
 @click.option("--window", default=512, show_default=True, help="Tokens per scored window.")
-@click.option("--max-tokens", type=int, help="Score only the first N tokens of the text.")
+@click.option("--max-tokens", type=int, help="Score only the first N tokens of each set.")
+@click.option("--facts", "facts_file", is_flag=False, flag_value="packaged", default=None, metavar="[FILE]",
+              help="Also score factual recall: greedy completions of short factual prompts (the packaged set, or a "
+                   "JSON-lines FILE of {prompt, answers}).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def evaluate(model, files, reference, window, max_tokens, as_json, quiet):
-    """Perplexity of MODEL on held-out text; with --reference, ratio, KL and top-1 agreement."""
+def evaluate(model, specs, reference, window, max_tokens, facts_file, as_json, quiet):
+    """Perplexity of MODEL on held-out sets; with --reference, ratio, KL and top-1 agreement; with --facts, recall."""
     from tqdm.auto import tqdm
 
     from . import evaluate as ev
 
+    if not specs and not facts_file:
+        raise click.UsageError("give held-out text with --data [NAME=]FILE, or --facts, or both")
+    sets = ev.parse_sets(list(specs))
     lm, source = ev.load_model(model)
-    ids = ev.read_token_ids(list(files), ev.load_tokenizer(source), max_tokens)
+    tokenizer = ev.load_tokenizer(source)
     ref = None
     if reference:
         ref, _ = ev.load_model(reference)
         ev.check_same_vocabulary(lm, ref, model, reference)
-    progress = None if quiet else (lambda it: tqdm(it, desc="eval", unit="window", file=sys.stderr))
-    result = ev.evaluate(lm, ids, window=window, reference=ref, progress=progress)
-    click.echo(json.dumps(result) if as_json else ev.describe(result, model, reference))
+    results = {"model": model, "reference": reference, "window": window, "sets": {}}
+    for name, files in sets.items():
+        progress = None if quiet else (lambda it, n=name: tqdm(it, desc=f"eval {n}", unit="window", file=sys.stderr))
+        ids = ev.read_token_ids(files, tokenizer, max_tokens)
+        results["sets"][name] = ev.evaluate(lm, ids, window=window, reference=ref, progress=progress)
+    if facts_file:
+        from .facts import load_facts, score_facts
+
+        facts = load_facts(None if facts_file == "packaged" else facts_file)
+        results["facts"] = score_facts(lm, tokenizer, facts)
+        if ref is not None:
+            results["reference_facts"] = score_facts(ref, tokenizer, facts)
+    click.echo(json.dumps(results) if as_json else ev.describe(results, model, reference))
 
 
 @main.command()

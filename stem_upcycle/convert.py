@@ -74,7 +74,9 @@ class ConversionPlan:
     producers: dict  # output name -> Copy | Table
     shards: list[list[TensorSpec]]
     config: StemConfig
-    init_options: dict  # e.g. calib_data, calib_tokens, calib_seq_len for the calibrated inits
+    # For the calibrated inits: calib_data, calib_tokens, calib_seq_len, calib_generated (ids sampled from the
+    # dense model), heldout_data (files whose coverage is reported), dense_model (the dense model, already loaded)
+    init_options: dict
 
     @property
     def total_bytes(self) -> int:
@@ -152,8 +154,10 @@ def plan_conversion(
     if init not in INITIALISERS:
         raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
     init_options = dict(init_options or {})
-    if getattr(INITIALISERS[init], "needs_data", False) and not init_options.get("calib_data"):
-        raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text)")
+    if getattr(INITIALISERS[init], "needs_data", False) and not (init_options.get("calib_data")
+                                                                   or init_options.get("calib_generated") is not None):
+        raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text) "
+                              f"or --calib-generate TOKENS (text sampled from the model itself)")
     if is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
         provisional = stem_config(dense, family, [0], init, torch.float32, False)
         stem_layers, init_options["calibration"] = select_layers(layers, source, family, provisional, init, init_options,

@@ -6,6 +6,7 @@ tokenizer, whatever their architecture.
 """
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -47,6 +48,20 @@ def load_tokenizer(source: Source):
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as err:  # any failure means the same to the user: there is no usable tokenizer
         raise EvalError(f"{source.spec} has no tokenizer that loads; eval needs one to read text ({type(err).__name__})") from None
+
+
+def parse_sets(specs: list[str]) -> dict[str, list[str]]:
+    """Held-out sets from `--data` values: `NAME=FILE` puts FILE into set NAME (repeat a name to join files),
+    a bare FILE is a set named after the file."""
+    sets: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or Path(spec).exists() or not re.fullmatch(r"[\w.-]+", name):
+            name, path = Path(spec).stem, spec
+        if not Path(path).is_file():
+            raise EvalError(f"--data {spec}: {path} is not a file; give FILE or NAME=FILE")
+        sets.setdefault(name, []).append(path)
+    return sets
 
 
 def read_token_ids(files: list[str], tokenizer, max_tokens: int | None) -> torch.Tensor:
@@ -91,13 +106,24 @@ def check_same_vocabulary(model, reference, model_spec: str, reference_spec: str
         raise EvalError(f"{model_spec} has a vocabulary of {a} and {reference_spec} one of {b}; a reference must share the tokenizer")
 
 
-def describe(result: dict, model_spec: str, reference_spec: str | None) -> str:
-    lines = [f"{'perplexity':<16} {result['ppl']:.4g}  ({model_spec}, {result['tokens']} tokens, windows of {result['window']})"]
+def describe(results: dict, model_spec: str, reference_spec: str | None) -> str:
+    """A table, one row per held-out set; factual recall below it when scored."""
+    sets = results["sets"]
+    window = results["window"]
+    lines = [f"{model_spec} (windows of {window} tokens)" + (f" against {reference_spec}" if reference_spec else "")]
+    header = f"{'set':<16} {'tokens':>7} {'perplexity':>11}"
     if reference_spec:
-        lines += [
-            f"{'reference':<16} {result['ref_ppl']:.4g}  ({reference_spec})",
-            f"{'ratio':<16} {result['ppl_ratio']:.4g}x",
-            f"{'KL(ref||model)':<16} {result['kl']:.4g} nats/token",
-            f"{'top-1 agreement':<16} {result['top1_agreement']:.1%}",
-        ]
+        header += f" {'reference':>10} {'ratio':>7} {'KL(ref||model)':>15} {'top-1 agreement':>16}"
+    lines.append(header)
+    for name, r in sets.items():
+        row = f"{name:<16} {r['tokens']:>7} {r['ppl']:>11.4g}"
+        if reference_spec:
+            row += (f" {r['ref_ppl']:>10.4g} {r['ppl_ratio']:>6.3f}x {r['kl']:>15.4g} "
+                    f"{r['top1_agreement']:>16.1%}")
+        lines.append(row)
+    if facts := results.get("facts"):
+        line = f"factual recall   {facts['correct']}/{facts['total']} greedy completions correct"
+        if ref := results.get("reference_facts"):
+            line += f" (reference {ref['correct']}/{ref['total']})"
+        lines.append(line)
     return "\n".join(lines)

@@ -37,7 +37,7 @@ def select_layers(spec: str, source, family: Family, config, init: str, options:
     if not getattr(INITIALISERS[init], "needs_data", False):
         raise LayerSpecError(f"--layers {spec} measures each layer with calibrated rows: use --init calib "
                              f"(or calib-mean) with --calib-data")
-    model = model_from_source(source)
+    model = options.get("dense_model") or model_from_source(source)
     every = list(range(config.num_hidden_layers))
     plan = SimpleNamespace(source=source, family=family, layers=every, config=config, init_options=options)
     calibrated = INITIALISERS[init](plan, progress=progress, model=model)

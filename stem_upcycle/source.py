@@ -112,8 +112,13 @@ class Source:
     tokenizer_args: tuple[str, dict]  # (path, kwargs) for AutoTokenizer.from_pretrained
     directory: Path | None = None  # where generation_config.json etc. may be found
     license: str | None = None
-    files_bytes: int = 0  # bytes of the weight files on disk
+    weight_files: tuple[Path, ...] = ()  # the files the weights are read from
     in_memory_bytes: int = 0  # bytes the source holds in RAM (a dequantised GGUF model)
+
+    @property
+    def files_bytes(self) -> int:
+        """Bytes of the weight files on disk."""
+        return sum(f.stat().st_size for f in self.weight_files)
 
 
 def open_source(spec: str) -> Source:
@@ -179,7 +184,7 @@ def _open_directory(path: Path, spec: str) -> Source:
         tokenizer_args=(str(path), {}),
         directory=path,
         license=_card_license(path / "README.md"),
-        files_bytes=sum(f.stat().st_size for f in files),
+        weight_files=tuple(files),
     )
 
 
@@ -234,7 +239,7 @@ def _open_gguf(path: Path, spec: str) -> Source:
         tokenizer_args=(str(path.parent), kwargs),
         directory=None,
         license=_gguf_license(path),
-        files_bytes=path.stat().st_size,
+        weight_files=(path,),
         in_memory_bytes=sum(t.nbytes for t in tensors.values()),
     )
 

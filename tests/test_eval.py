@@ -18,6 +18,12 @@ def run_cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
+def only_set(output: str) -> dict:
+    """The figures of the one held-out set of an `eval --json` run."""
+    (figures,) = json.loads(output)["sets"].values()
+    return figures
+
+
 def text_file(tmp_path, n_words=200, seed=0):
     torch.manual_seed(seed)
     words = " ".join(f"w{i}" for i in torch.randint(0, 94, (n_words,)).tolist())
@@ -30,7 +36,7 @@ def test_perplexity_is_the_mean_nll_over_windows(dense_dir, tmp_path):
     dense, src = dense_dir("llama")
     save_tiny_tokenizer(src)
     text = text_file(tmp_path)
-    result = json.loads(run_cli("eval", src, "--data", text, "--window", 50, "--json", "--quiet").stdout)
+    result = only_set(run_cli("eval", src, "--data", text, "--window", 50, "--json", "--quiet").stdout)
     ids = torch.tensor([int(w[1:]) for w in text.read_text().split()])
     with torch.no_grad():  # four windows of 50 tokens, each predicting 49
         losses = [dense(ids[s : s + 50][None], labels=ids[s : s + 50][None]).loss for s in range(0, 200, 50)]
@@ -42,8 +48,8 @@ def test_perplexity_is_the_mean_nll_over_windows(dense_dir, tmp_path):
 def test_a_model_against_itself_agrees_fully(dense_dir, tmp_path):
     _, src = dense_dir("llama")
     save_tiny_tokenizer(src)
-    result = json.loads(run_cli("eval", src, "--data", text_file(tmp_path), "--reference", src, "--window", 40,
-                                "--json", "--quiet").stdout)
+    result = only_set(run_cli("eval", src, "--data", text_file(tmp_path), "--reference", src, "--window", 40,
+                              "--json", "--quiet").stdout)
     assert result["ppl_ratio"] == 1.0 and result["ref_ppl"] == result["ppl"]
     assert abs(result["kl"]) < 1e-6 and result["top1_agreement"] == 1.0
 
@@ -53,8 +59,8 @@ def test_stem_model_against_its_dense_reference(dense_dir, tmp_path):
     save_tiny_tokenizer(src)
     out = tmp_path / "stem"
     assert run_cli("convert", src, out, "--layers", "1", "--quiet").exit_code == 0
-    result = json.loads(run_cli("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40,
-                                "--json", "--quiet").stdout)
+    result = only_set(run_cli("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40,
+                              "--json", "--quiet").stdout)
     model, _ = load_model(str(out))
     ids = torch.tensor([int(w[1:]) for w in text_file(tmp_path).read_text().split()])
     chunk = ids[:40][None]
@@ -65,7 +71,7 @@ def test_stem_model_against_its_dense_reference(dense_dir, tmp_path):
     first_window_kl = (p.exp() * (p - q)).sum(-1).mean().item()
     assert first_window_kl > 0  # the converted layer changes the distribution
     text = run_cli("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40, "--quiet").output
-    assert "top-1 agreement" in text and "ratio" in text
+    assert "top-1 agreement" in text and "ratio" in text and "\ntext0 " in text
 
 
 def test_evaluate_refuses_text_shorter_than_a_window(dense_dir, tmp_path):
@@ -93,3 +99,39 @@ def test_evaluate_function_matches_cli_figures(dense_dir, tmp_path):
     dense, _ = dense_dir("llama")
     ids = torch.arange(90) % 94
     assert evaluate(dense.eval(), ids, window=30)["tokens"] == 3 * 29
+
+
+def test_named_sets_are_scored_apart_and_files_of_one_name_are_joined(dense_dir, tmp_path):
+    _, src = dense_dir("llama")
+    save_tiny_tokenizer(src)
+    a, b, c = (text_file(tmp_path, seed=i) for i in range(3))
+    result = json.loads(run_cli("eval", src, "--data", f"ab={a}", "--data", f"ab={b}", "--data", c, "--window", 50,
+                                "--json", "--quiet").stdout)
+    assert list(result["sets"]) == ["ab", "text2"]
+    assert result["sets"]["ab"]["tokens"] == 8 * 49  # two files of 200 words: 400 tokens, 8 windows
+    alone = only_set(run_cli("eval", src, "--data", c, "--window", 50, "--json", "--quiet").stdout)
+    assert result["sets"]["text2"] == alone
+    for bad in (f"x={tmp_path / 'missing.txt'}", str(tmp_path / "missing.txt")):
+        failed = CliRunner().invoke(main, ["eval", str(src), "--data", bad])
+        assert failed.exit_code == 1 and "missing.txt is not a file" in failed.output
+    failed = CliRunner().invoke(main, ["eval", str(src)])
+    assert failed.exit_code == 2 and "--data" in failed.output
+
+
+def test_factual_recall_scores_greedy_completions(dense_dir, tmp_path):
+    from stem_upcycle.facts import complete, load_facts
+
+    dense, src = dense_dir("llama")
+    tokenizer = save_tiny_tokenizer(src)
+    said = complete(dense.eval(), tokenizer, "w1 w2 w3").split()
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text(json.dumps({"prompt": "w1 w2 w3", "answers": ["w999", said[2]]}) + "\n\n"
+                     + json.dumps({"prompt": "w1 w2 w3", "answers": ["w999"]}) + "\n")
+    result = json.loads(run_cli("eval", src, "--facts", facts, "--reference", src, "--json", "--quiet").stdout)
+    assert (result["facts"]["correct"], result["facts"]["total"]) == (1, 2)
+    assert [r["correct"] for r in result["facts"]["completions"]] == [True, False]
+    assert result["reference_facts"]["correct"] == 1 and result["sets"] == {}
+    assert len(load_facts()) >= 30  # the packaged set
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "w1"}\n')
+    failed = CliRunner().invoke(main, ["eval", str(src), "--facts", str(tmp_path / "bad.jsonl")])
+    assert failed.exit_code == 1 and "bad.jsonl:1 is not a JSON object with a prompt" in failed.output

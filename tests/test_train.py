@@ -16,7 +16,7 @@ from stem_upcycle.source import open_source
 from stem_upcycle.training.recipe import load_recipe
 from stem_upcycle.training.trainer import Trainer
 
-from .conftest import save_tiny_tokenizer, tiny_dense
+from .conftest import VOCAB, save_tiny_tokenizer, tiny_dense
 
 
 def _markov_text(n: int, seed: int) -> str:
@@ -61,7 +61,7 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     trainer = Trainer(recipe, out, progress=False)
     trainer.run()
     log = _log(out)
-    assert log[-1]["eval_ppl"] < 0.7 * log[0]["eval_ppl"]
+    assert log[-1]["eval"]["heldout"]["ppl"] < 0.7 * log[0]["eval"]["heldout"]["ppl"]
     assert log[-1]["loss"] < log[1]["loss"]
     # Same tensors, shapes, dtypes and order as the converted checkpoint; no W_up in STEM layers.
     def layout(path):
@@ -71,7 +71,7 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     assert layout(out) == layout(workspace / "stem")
     assert not any("layers.0.mlp.up_proj" in name for name, _, _ in layout(out))
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
-    ids = trainer.heldout[:2, :-1]
+    ids = trainer.heldout["heldout"][:2, :-1]
     for table in trainer.tables.values():
         table.gather(ids)
     with torch.no_grad():
@@ -105,7 +105,7 @@ def test_resume_continues_exactly(workspace, monkeypatch):
     resumed = _log(workspace / "b")
     assert [r["step"] for r in resumed] == [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4, 5]
     for a, b in zip(uninterrupted, resumed):
-        assert a["loss" if "loss" in a else "eval_ppl"] == b["loss" if "loss" in b else "eval_ppl"]
+        assert a.get("loss") == b.get("loss") and a.get("eval") == b.get("eval")
 
 
 def test_train_cli_refuses_to_mix_runs(workspace):
@@ -146,4 +146,48 @@ def test_two_processes_give_the_loss_curve_of_one(workspace):
     assert len(one) == len(two) == 5
     for a, b in zip(one[1:], two[1:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    assert one[-1]["eval_ppl"] == pytest.approx(two[-1]["eval_ppl"], rel=1e-4)
+    assert one[-1]["eval"]["heldout"]["ppl"] == pytest.approx(two[-1]["eval"]["heldout"]["ppl"], rel=1e-4)
+
+
+def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(workspace):
+    """Teacher-generated sequences fill their share of each batch (KL only), calibrate the conversion, and are
+    cached; every held-out set is scored against the teacher on its own; checkpoints go once the model is out."""
+    (workspace / "other.txt").write_text(_markov_text(800, 2))
+    cache = workspace / "generated"
+    common = [f"model.source={workspace / 'dense'}", "model.layers=0,2", "model.calib_tokens=1024",
+              "model.calib_seq_len=32", "data.seq_len=32", "data.eval_tokens=128", "train.batch_size=4",
+              "train.micro_batch_size=2", "train.eval_every=2", "train.steps=4", "train.checkpoint_every=2",
+              "train.trainable=[tables, gate_down]", "generated.tokens=660", "generated.length=16",
+              "generated.batch_size=8",
+              f"generated.cache_dir={cache}", "generated.calib_share=0.5",
+              f"data.eval={{markov: [{workspace / 'heldout.txt'}], other: [{workspace / 'other.txt'}]}}"]
+    mixed = Trainer(load_recipe(None, [*common, f"data.train=[{workspace / 'train.txt'}]"]), workspace / "mixed",
+                    progress=False)
+    assert mixed.generated.shape == (42, 16)  # 660 tokens, rounded up to whole sequences of generated.length
+    batch, generated = mixed.batches.step(0)
+    assert generated.tolist() == [False, False, True, True]  # train_share 0.5 of a batch of 4
+    stream = torch.cat([mixed.generated, torch.full((42, 1), VOCAB - 2)], 1).flatten()  # joined with EOS
+    assert all(any(torch.equal(row, stream[i : i + 33]) for i in range(0, stream.numel() - 32, 32)) for row in batch[2:])
+    mixed.run()
+    log = _log(workspace / "mixed")
+    assert log[0]["generated"]["tokens"] == 42 * 16 and log[0]["generated"]["tokens_per_s"] > 0
+    assert [sorted(r["eval"]) for r in log if "eval" in r] == [["markov", "other"]] * 3
+    assert all(r["eval"]["markov"]["ref_ppl"] == log[0]["eval"]["markov"]["ref_ppl"] for r in log if "eval" in r)
+    assert log[0]["eval"]["markov"]["ppl"] != log[0]["eval"]["other"]["ppl"]
+    assert not (workspace / "mixed" / "checkpoints").exists()  # the output is the model, ready to share
+    card = (workspace / "mixed" / "README.md").read_text()
+    assert "| markov |" in card and "| other |" in card and "660 tokens sampled" in card
+
+    # Data-free: generated text only (read back from the cache), calibration on it too; checkpoints kept.
+    free = Trainer(load_recipe(None, [*common, "generated.train_share=1", "train.keep_checkpoints_at_end=true"]),
+                   workspace / "free", progress=False)
+    assert torch.equal(free.generated, mixed.generated) and free.generation_stats == {}
+    assert free.batches.step(0)[1].all()
+    before = free.tables[0].weight.clone()
+    free.run()
+    log = _log(workspace / "free")
+    assert all(r["ce"] is None and r["kd"] > 0 for r in log[1:])  # KL only: no cross-entropy on generated text
+    changed = (free.tables[0].weight != before).any(1).nonzero()[:, 0]
+    read = torch.cat([free.batches.step(s)[0][:, :-1] for s in range(4)]).unique()
+    assert changed.numel() > 0 and torch.isin(changed, read).all()  # the rows of the generated text trained
+    assert (workspace / "free" / "checkpoints" / "step-2").exists()

@@ -15,14 +15,14 @@ from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagra
 from .conftest import VOCAB, save_tiny_tokenizer
 
 
-def _reference_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, normalizer):
+def _reference_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, normalizer, ce_mask):
     def logits(h, w):
         z = h @ w.T * spec.scale
         return z if spec.softcap is None else spec.softcap * torch.tanh(z / spec.softcap)
 
     z, zt = logits(hidden, weight), logits(teacher_hidden, teacher_weight)
     valid = targets != IGNORE
-    ce = F.cross_entropy(z[valid], targets[valid], reduction="sum")
+    ce = F.cross_entropy(z[valid & ce_mask], targets[valid & ce_mask], reduction="sum")
     T = spec.temperature
     kl = F.kl_div(F.log_softmax(z / T, -1), F.log_softmax(zt / T, -1), log_target=True, reduction="none").sum(-1)
     return (spec.ce_weight * ce + spec.kd_weight * T * T * kl[valid].sum()) / normalizer
@@ -36,15 +36,17 @@ def test_chunked_head_loss_equals_full_logits(softcap, scale, temperature):
     teacher_hidden, teacher_weight = torch.randn(37, 16, dtype=torch.float64), torch.randn(50, 16, dtype=torch.float64)
     targets = torch.randint(0, 50, (37,))
     targets[[3, 20]] = IGNORE
+    ce_mask = torch.ones(37, dtype=torch.bool)
+    ce_mask[10:30] = False  # e.g. generated text: KL only
     spec = HeadLoss(ce_weight=0.7, kd_weight=1.3, temperature=temperature, scale=scale, softcap=softcap, chunk_tokens=8)
-    loss, sums = head_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, normalizer=35)
+    loss, sums = head_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, normalizer=35, ce_mask=ce_mask)
     grads = torch.autograd.grad(loss, (hidden, weight))
-    ref = _reference_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, 35)
+    ref = _reference_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, 35, ce_mask)
     ref_grads = torch.autograd.grad(ref, (hidden, weight))
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-8)
-    assert sums[3] == 35
+    assert sums[3] == 35 and sums[4] == 35 - 19  # targets; cross-entropy positions (20 masked, one ignored)
 
 
 def test_rowwise_adagrad_updates_only_the_rows_of_the_step():

@@ -51,19 +51,24 @@ def write_model(trainer, state: dict) -> Path:
 
 def _add_training_card(card: Path, trainer) -> None:
     log = trainer.output / "train_log.jsonl"
-    evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval_ppl" in r] if log.exists() else []
+    evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval" in r] if log.exists() else []
     recipe = trainer.recipe
+    data = ", ".join(recipe.data.train) or "no text of the user's"
+    if recipe.generated.tokens:
+        data += (f" and {recipe.generated.tokens} tokens sampled from `{recipe.model.source}` itself "
+                 f"({recipe.generated.train_share:.0%} of each batch)")
     lines = [
         "\n## Recovery training (stem-upcycle train)\n",
-        f"Trained {recipe.train.steps} steps, {trainer.tokens_seen} tokens, on {', '.join(recipe.data.train)}; "
+        f"Trained {recipe.train.steps} steps, {trainer.tokens_seen} tokens, on {data}; "
         f"trainable: {', '.join(recipe.train.trainable)}; losses: {recipe.loss.kd_weight} x KL to `{recipe.model.source}` "
         f"+ {recipe.loss.ce_weight} x cross-entropy. The recipe as run is in the training output (`recipe.yaml`).\n\n",
     ]
     if evals:
-        first, last = evals[0], evals[-1]
-        lines.append(f"Held-out perplexity: {first['eval_ppl']:.2f} before training, {last['eval_ppl']:.2f} after "
-                     f"({last['eval_ppl_ratio']:.2f}x the dense model's {last['eval_ref_ppl']:.2f}, "
-                     f"{last['eval_tokens']} tokens).\n")
+        first, last = evals[0]["eval"], evals[-1]["eval"]
+        lines += ["| held-out set | tokens | dense model | before training | after | after / dense |\n",
+                  "|---|---|---|---|---|---|\n"]
+        lines += [f"| {name} | {e['tokens']} | {e['ref_ppl']:.2f} | {first[name]['ppl']:.2f} | {e['ppl']:.2f} | "
+                  f"{e['ppl_ratio']:.2f}x |\n" for name, e in last.items()]
     text = card.read_text() if card.exists() else ""
     text = text.replace("> **Not ready for use as it is.**", "> At conversion, before training:")
     card.write_text(text + "".join(lines))

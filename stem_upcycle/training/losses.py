@@ -5,8 +5,11 @@ student's (and the teacher's) logits are computed, the loss and its gradient wit
 logits are formed in closed form, and the gradients for the hidden states and the head weight are
 accumulated right there. Backward then only scales what forward stored; nothing is recomputed.
 
-    loss = (ce_weight * CE(targets, p) + kd_weight * T^2 * KL(q_T || p_T)) / normalizer
-    d loss / d z = (ce_weight * (p - onehot) + kd_weight * T * (p_T - q_T)) / normalizer
+    loss = (ce_weight * CE(targets, p) [where ce_mask] + kd_weight * T^2 * KL(q_T || p_T)) / normalizer
+    d loss / d z = (ce_weight * (p - onehot) [where ce_mask] + kd_weight * T * (p_T - q_T)) / normalizer
+
+`ce_mask` leaves positions out of the cross-entropy only (text the teacher generated: its tokens
+are a sample of the distribution the KL term already matches in full).
 """
 
 from dataclasses import dataclass
@@ -47,28 +50,31 @@ class HeadLoss:
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, spec, normalizer):
-        # hidden [n, d], weight [vocab, d], teacher_hidden [n, d_teacher] or None, targets [n]
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, ce_mask, spec, normalizer):
+        # hidden [n, d], weight [vocab, d], teacher_hidden [n, d_teacher] or None, targets [n], ce_mask [n]
         n, vocab = hidden.shape[0], weight.shape[0]
         step = spec.chunk_tokens or max(16, CHUNK_LOGIT_BYTES // (4 * vocab))
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if want_h else None
         precise = torch.promote_types(hidden.dtype, torch.float32)
         grad_w = torch.zeros(weight.shape, dtype=precise, device=weight.device) if want_w else None
-        sums = torch.zeros(4, dtype=torch.float64, device=hidden.device)  # nll, kl, top-1 agreements, targets
+        # nll (cross-entropy positions), kl, top-1 agreements, targets, cross-entropy positions
+        sums = torch.zeros(5, dtype=torch.float64, device=hidden.device)
         T = spec.temperature
         for start in range(0, n, step):
             h = hidden[start : start + step]
             y = targets[start : start + step]
             valid = y != IGNORE
+            scored = valid & ce_mask[start : start + step]  # positions with a cross-entropy term
             z, t = spec.logits(h, weight)  # [c, vocab]
             logp = F.log_softmax(z, -1)
             p = logp.exp()
             nll = -logp.gather(1, y.clamp_min(0)[:, None])[:, 0]
-            sums[0] += nll[valid].sum().double()
+            sums[0] += nll[scored].sum().double()
             sums[3] += valid.sum()
-            grad_z = spec.ce_weight * p
-            grad_z[valid.nonzero()[:, 0], y[valid]] -= spec.ce_weight
+            sums[4] += scored.sum()
+            grad_z = spec.ce_weight * p * scored[:, None]
+            grad_z[scored.nonzero()[:, 0], y[scored]] -= spec.ce_weight
             if teacher_hidden is not None:
                 zt, _ = spec.logits(teacher_hidden[start : start + step], teacher_weight)
                 logq_t = F.log_softmax(zt / T, -1)
@@ -98,14 +104,19 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         out_h = grad_h * grad_loss if grad_h is not None else None
         out_w = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
-        return out_h, out_w, None, None, None, None, None
+        return out_h, out_w, None, None, None, None, None, None
 
 
-def head_loss(spec: HeadLoss, hidden, weight, targets, teacher_hidden=None, teacher_weight=None, normalizer: float = 1.0):
-    """(loss, sums) for final hidden states [n, d]; sums = [nll, kl, top-1 agreements, targets] (float64).
+def head_loss(spec: HeadLoss, hidden, weight, targets, teacher_hidden=None, teacher_weight=None, normalizer: float = 1.0,
+              ce_mask=None):
+    """(loss, sums) for final hidden states [n, d]; sums = [nll, kl, top-1 agreements, targets, cross-entropy
+    positions] (float64), nll summed over the cross-entropy positions (`ce_mask`, default all).
 
     The loss is the weighted sum over positions divided by `normalizer` (the number of targets the
     whole optimizer step averages over), so that accumulated micro-batches add up to a mean."""
     if teacher_hidden is None and spec.kd_weight:
         raise ValueError("distillation (kd_weight > 0) needs the teacher's hidden states")
-    return _ChunkedHeadLoss.apply(hidden, weight, teacher_hidden, teacher_weight, targets, spec, float(normalizer))
+    if ce_mask is None:
+        ce_mask = torch.ones_like(targets, dtype=torch.bool)
+    return _ChunkedHeadLoss.apply(hidden, weight, teacher_hidden, teacher_weight, targets, ce_mask, spec,
+                                  float(normalizer))

@@ -31,12 +31,15 @@ class ModelSection:
 @dataclass
 class DataSection:
     train: list = field(default_factory=list)  # text (.txt) or JSON-lines (.jsonl) files; globs allowed
-    eval: list = field(default_factory=list)  # held-out files; empty: the last `heldout_fraction` of the sequences
+    # Held-out sets, each scored and reported on its own: {name: files}, or a plain list of files
+    # (one set, "heldout"). Never trained or calibrated on. Empty: the last `heldout_fraction` of
+    # the training sequences.
+    eval: dict = field(default_factory=dict)
     heldout_fraction: float = 0.05
     text_field: str = "text"  # the field of a .jsonl record that holds the document
     seq_len: int = 512  # tokens per packed training sequence (documents joined with EOS)
     max_train_tokens: int = 0  # 0: all
-    eval_tokens: int = 8192  # held-out tokens scored at each evaluation
+    eval_tokens: int = 8192  # held-out tokens of each set scored at each evaluation
 
 
 @dataclass
@@ -55,8 +58,26 @@ class TrainSection:
     seed: int = 0
     eval_every: int = 50  # steps; 0: only at the end
     checkpoint_every: int = 0  # steps; 0: no checkpoints
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest checkpoints kept during the run
+    keep_checkpoints_at_end: bool = False  # false: OUTPUT/checkpoints is removed once the model is exported
     log_every: int = 1
+
+
+@dataclass
+class GeneratedSection:
+    """Text sampled from the dense source itself (LLM-QAT's data-free distillation; see generate.py)."""
+
+    tokens: int = 0  # tokens to generate; 0: none
+    length: int = 256  # tokens per generated sequence; joined with EOS and cut into data.seq_len + 1 for training
+    batch_size: int = 32  # sequences generated at once
+    first_tokens: int = 4  # after a random start token, this many chosen among the top first_top_k
+    first_top_k: int = 1
+    temperature: float = 1.0  # every later token sampled from the full distribution
+    seed: int = 0
+    train_share: float = 0.5  # share of each training batch's sequences that are generated
+    calib_share: float = 0.5  # share of model.calib_tokens that are generated (when converting)
+    ce: bool = False  # cross-entropy on generated text too; false: KL to the teacher only
+    cache_dir: str = ""  # default: $STEM_UPCYCLE_CACHE/generated or ~/.cache/stem-upcycle/generated
 
 
 @dataclass
@@ -94,6 +115,7 @@ class LoraSection:
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
+    generated: GeneratedSection = field(default_factory=GeneratedSection)
     train: TrainSection = field(default_factory=TrainSection)
     tables: TablesSection = field(default_factory=TablesSection)
     loss: LossSection = field(default_factory=LossSection)
@@ -152,6 +174,10 @@ def _build(cls, raw: dict, where: str):
 
 
 def _coerce(value, default, key: str):
+    if isinstance(default, dict):  # named file lists; a plain list (or one file) is one set
+        if not isinstance(value, dict):
+            return {"heldout": _coerce(value, [], key)} if value else {}
+        return {str(name): _coerce(files, [], f"{key}.{name}") for name, files in value.items()}
     if isinstance(default, list):
         return [value] if isinstance(value, str) else list(value or [])
     if isinstance(default, bool):
@@ -189,7 +215,24 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError("loss.kd_weight and loss.ce_weight must be >= 0 and not both 0")
     if not 0 <= recipe.data.heldout_fraction < 1:
         raise RecipeError("data.heldout_fraction must lie in [0, 1)")
+    g = recipe.generated
+    for key, value in (("generated.train_share", g.train_share), ("generated.calib_share", g.calib_share)):
+        if not 0 <= value <= 1:
+            raise RecipeError(f"{key} must lie in [0, 1], got {value}")
+    if g.tokens < 0 or g.first_tokens < 0 or min(g.length, g.batch_size, g.first_top_k, g.temperature) <= 0:
+        raise RecipeError("generated: tokens and first_tokens must be >= 0; length, batch_size, first_top_k and "
+                          "temperature > 0")
+    if g.first_tokens >= g.length:
+        raise RecipeError(f"generated.first_tokens {g.first_tokens} must be below generated.length {g.length}")
+    if g.tokens and g.tokens < recipe.data.seq_len + 1:
+        raise RecipeError(f"generated.tokens {g.tokens} makes no training sequence of data.seq_len + 1 = "
+                          f"{recipe.data.seq_len + 1} tokens")
+    if (not g.tokens or g.train_share < 1) and not recipe.data.train:
+        raise RecipeError("data.train is empty; list training text files, or train on generated text alone "
+                          "(generated.tokens > 0 and generated.train_share: 1)")
+    if not recipe.data.train and not recipe.data.eval:
+        raise RecipeError("with no training text there is nothing to hold out: name held-out sets in data.eval")
+    if bad := [name for name, files in recipe.data.eval.items() if not files]:
+        raise RecipeError(f"data.eval set {bad[0]!r} names no file")
     if not recipe.model.source:
         raise RecipeError("model.source is empty; name the dense checkpoint (the teacher), e.g. smollm2-135m")
-    if not recipe.data.train:
-        raise RecipeError("data.train is empty; list the training text files")

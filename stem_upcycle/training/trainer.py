@@ -8,7 +8,8 @@ are averaged across processes by hand: every process gathers the same rows, thos
 batch). Output layout:
 
     OUTPUT/init/             the converted starting point (removed after export unless given)
-    OUTPUT/checkpoints/      step-N/ with trainable weights, tables, optimizer states
+    OUTPUT/checkpoints/      step-N/ with trainable weights, tables, optimizer states (removed after
+                             export unless train.keep_checkpoints_at_end)
     OUTPUT/recipe.yaml       the recipe as run;  OUTPUT/train_log.jsonl  one JSON object per line
     OUTPUT/*.safetensors ... the trained STEM model, written at the end
 """
@@ -27,9 +28,10 @@ from torch import nn
 
 from ..errors import UserError
 from ..evaluate import load_tokenizer, model_from_source
+from ..generate import GeneratedText, Sampling
 from ..source import open_source
 from . import checkpoint, export
-from .data import Batches, load_data
+from .data import MixedBatches, heldout_paths, load_data, pack_ids
 from .losses import HeadLoss, head_loss
 from .recipe import Recipe
 from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff, unwrap_lora
@@ -47,11 +49,12 @@ class DistillStep(nn.Module):
         super().__init__()
         self.student, self.spec = student, spec
 
-    def forward(self, inputs, targets, teacher_hidden, teacher_weight, normalizer: float):
+    def forward(self, inputs, targets, teacher_hidden, teacher_weight, normalizer: float, ce_mask=None):
         hidden = base_model(self.student)(input_ids=inputs, use_cache=False).last_hidden_state  # [b, s, d]
         head = self.student.get_output_embeddings().weight  # [vocab, d]
         return head_loss(self.spec, hidden.flatten(0, 1), head, targets.flatten(),
-                         None if teacher_hidden is None else teacher_hidden.flatten(0, 1), teacher_weight, normalizer)
+                         None if teacher_hidden is None else teacher_hidden.flatten(0, 1), teacher_weight, normalizer,
+                         None if ce_mask is None else ce_mask.flatten())
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
@@ -91,10 +94,14 @@ class Trainer:
         torch.manual_seed(t.seed)
 
         self.source = open_source(recipe.model.source)
+        self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
+        self.generated, self.generation_stats = self._generated_text()
         self.init_dir = self._initial_model()
         self.tokenizer = load_tokenizer(open_source(str(self.init_dir)))
         self.train_ids, self.heldout = load_data(recipe, self.tokenizer)
-        self.batches = Batches(self.train_ids, t.batch_size, t.seed)
+        generated = None if self.generated is None else pack_ids(self.generated, self.tokenizer, recipe.data.seq_len)
+        self.batches = MixedBatches(self.train_ids, generated, t.batch_size, recipe.generated.train_share, t.seed)
+        self._eval_reference = {}  # held-out set -> (teacher hidden states per micro-batch, teacher nll), once
 
         from transformers import AutoModelForCausalLM
 
@@ -103,9 +110,11 @@ class Trainer:
             # A dense init_from is allowed as a baseline: the dense model fine-tuned by the same recipe.
             raise TrainError(f"{self.init_dir} is not a STEM model, so it has no tables to train or hand off to; "
                              f"model.init_from must name a converted checkpoint")
+        if student.config.vocab_size != self.teacher.config.vocab_size:
+            raise TrainError(f"{recipe.model.source} has a vocabulary of {self.teacher.config.vocab_size}, the model "
+                             f"to train one of {student.config.vocab_size}; the teacher must be its dense base")
         self.causal_lm = student
         self.tables = attach_tables(student, acc.device)
-        self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
         if recipe.handoff.steps:
             set_handoff(student, self.teacher)
         self.trainable = select_trainable(student, t.trainable, recipe.lora)
@@ -129,6 +138,33 @@ class Trainer:
             self.start_step, self.tokens_seen = checkpoint.load_latest(self)
 
     # -- setup ---------------------------------------------------------------------------------
+    def _generated_text(self) -> tuple[torch.Tensor | None, dict]:
+        """[n, generated.length] ids sampled from the teacher (generated once, then read from the cache), and how
+        fast this run generated them."""
+        g, acc = self.recipe.generated, self.accelerator
+        if not g.tokens:
+            return None, {}
+        length = g.length
+        sampling = Sampling(sequences=-(-g.tokens // length), length=length, batch_size=g.batch_size,
+                            first_tokens=g.first_tokens, first_top_k=g.first_top_k, temperature=g.temperature,
+                            seed=g.seed)
+        text = GeneratedText(self.source, sampling, g.cache_dir)
+        stats = {}
+        if not text.cached():
+            tokenizer = load_tokenizer(self.source)
+            with acc.autocast():  # every process generates its share of the batches
+                stats = text.generate(self.teacher, tokenizer, acc.process_index, acc.num_processes,
+                                      progress=self.progress and acc.is_main_process)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                text.finish()
+                stats = {"tokens": sampling.sequences * length, "seconds": stats["seconds"],
+                         "tokens_per_s": sampling.sequences * length / max(stats["seconds"], 1e-9)}
+                print(f"generated {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} "
+                      f"tokens/s, {acc.num_processes} process(es)) into {text.path}", file=sys.stderr)
+        acc.wait_for_everyone()
+        return text.load(), stats
+
     def _initial_model(self) -> Path:
         m = self.recipe.model
         if m.init_from:
@@ -138,11 +174,15 @@ class Trainer:
             from ..convert import plan_conversion, run_conversion
             from .data import expand_files
 
-            heldout = expand_files(self.recipe.data.eval, "data.eval")
-            calib = [str(f) for f in expand_files(m.calib_data or self.recipe.data.train, "model.calib_data")
-                     if f not in heldout]  # held-out text is never calibrated on either
+            heldout = heldout_paths(self.recipe)
+            files = m.calib_data or self.recipe.data.train
+            calib = [str(f) for f in expand_files(files, "model.calib_data") if f not in heldout] if files else []
             options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len,
-                       "heldout_data": [str(f) for f in heldout]}
+                       "heldout_data": [str(f) for f in heldout],  # held-out text is never calibrated on either
+                       "dense_model": self.teacher}
+            if self.generated is not None and self.recipe.generated.calib_share:
+                share = self.recipe.generated.calib_share if calib else 1.0
+                options["calib_generated"] = self.generated.flatten()[: round(m.calib_tokens * share)]
             plan = plan_conversion(self.source, layers=m.layers, init=m.init, dtype="float32", init_options=options)
             print(plan.describe(), file=sys.stderr)
             run_conversion(plan, init_dir, overwrite=True, progress=self.progress,
@@ -152,11 +192,7 @@ class Trainer:
 
     def _teacher(self):
         dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
-        teacher = model_from_source(self.source, dtype).to(self.accelerator.device).requires_grad_(False)
-        if teacher.config.vocab_size != self.causal_lm.config.vocab_size:
-            raise TrainError(f"{self.recipe.model.source} has a vocabulary of {teacher.config.vocab_size}, the STEM "
-                             f"model one of {self.causal_lm.config.vocab_size}; the teacher must be its dense base")
-        return teacher
+        return model_from_source(self.source, dtype).to(self.accelerator.device).requires_grad_(False)
 
     # -- one step ------------------------------------------------------------------------------
     def _teacher_hidden(self, inputs):
@@ -173,23 +209,27 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         t, acc = self.recipe.train, self.accelerator
-        batch = self.batches.step(step).to(acc.device)  # [batch_size, seq_len + 1], the global batch
+        batch, generated = self.batches.step(step)  # [batch_size, seq_len + 1], the global batch; [batch_size]
+        batch = batch.to(acc.device)
+        ce_rows = (~generated | self.recipe.generated.ce).to(acc.device)  # sequences with a cross-entropy term
         every_row = getattr(self.table_optimizer, "all_rows", False)  # dense AdamW updates whole tables
         for table in self.tables.values():  # the rows of the whole global batch, on every process
             table.gather(torch.arange(table.weight.shape[0], device=acc.device) if every_row else batch[:, :-1])
         set_blend(self.causal_lm, self._blend(step))
         mine = batch.chunk(self.world)[acc.process_index]
-        micro = mine.split(t.micro_batch_size)
+        mine_ce = ce_rows.chunk(self.world)[acc.process_index]
+        micro = list(zip(mine.split(t.micro_batch_size), mine_ce.split(t.micro_batch_size)))
         normalizer = mine[:, 1:].numel()
-        sums = torch.zeros(4, dtype=torch.float64, device=acc.device)
+        sums = torch.zeros(5, dtype=torch.float64, device=acc.device)
         loss_total = 0.0
-        for i, chunk in enumerate(micro):
+        for i, (chunk, chunk_ce) in enumerate(micro):
             inputs, targets = chunk[:, :-1], chunk[:, 1:]
+            ce_mask = chunk_ce[:, None].expand_as(targets)
             teacher_hidden = self._teacher_hidden(inputs)
             sync = i == len(micro) - 1 or self.dense_optimizer is None
             context = acc.no_sync(self.step_module) if not sync else nullcontext()
             with context, acc.autocast():
-                loss, part = self.step_module(inputs, targets, teacher_hidden, self.teacher_weight, normalizer)
+                loss, part = self.step_module(inputs, targets, teacher_hidden, self.teacher_weight, normalizer, ce_mask)
                 if loss.requires_grad:
                     acc.backward(loss)
             sums += part
@@ -213,7 +253,8 @@ class Trainer:
         sums = acc.reduce(sums, reduction="sum") if self.world > 1 else sums
         self.tokens_seen += batch[:, 1:].numel()
         record.update(loss=acc.reduce(torch.tensor(loss_total, device=acc.device), reduction="mean").item(),
-                      ce=(sums[0] / sums[3]).item(), kd=(sums[1] / sums[3]).item(), blend=self._blend(step),
+                      ce=(sums[0] / sums[4]).item() if sums[4] else None, kd=(sums[1] / sums[3]).item(),
+                      blend=self._blend(step),
                       tokens=self.tokens_seen)
         return record
 
@@ -228,26 +269,34 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Perplexity, teacher perplexity, KL and top-1 agreement on the held-out sequences."""
+        """{"eval": {set: {ppl, ref_ppl, ppl_ratio, kl, top1_agreement, tokens}}} on every held-out set."""
+        return {"eval": {name: self._evaluate_set(name, sequences) for name, sequences in self.heldout.items()}}
+
+    def _evaluate_set(self, name: str, sequences: torch.Tensor) -> dict:
         acc, t = self.accelerator, self.recipe.train
-        sums = torch.zeros(4, dtype=torch.float64, device=acc.device)
-        ref_nll = 0.0
         spec = acc.unwrap_model(self.step_module).spec
-        for chunk in self.heldout.to(acc.device).split(t.micro_batch_size):
+        chunks = sequences.to(acc.device).split(t.micro_batch_size)
+        if name not in self._eval_reference:  # the teacher's side never changes: computed once per set
+            hidden = [self._teacher_hidden(chunk[:, :-1]) for chunk in chunks]
+            ref_nll = 0.0
+            for chunk, th in zip(chunks, hidden):
+                th = th.flatten(0, 1)
+                with acc.autocast():
+                    ref_nll += head_loss(spec, th, self.teacher_weight, chunk[:, 1:].flatten(), th,
+                                         self.teacher_weight)[1][0].item()
+            self._eval_reference[name] = [h.cpu() for h in hidden], ref_nll
+        hidden, ref_nll = self._eval_reference[name]
+        sums = torch.zeros(5, dtype=torch.float64, device=acc.device)
+        for chunk, teacher_hidden in zip(chunks, hidden):
             inputs, targets = chunk[:, :-1], chunk[:, 1:]
             for table in self.tables.values():
                 table.gather(inputs)
-            teacher_hidden = self._teacher_hidden(inputs)
             with acc.autocast():
-                _, part = self.step_module(inputs, targets, teacher_hidden, self.teacher_weight, 1.0)
-                th = teacher_hidden.flatten(0, 1)
-                _, ref = head_loss(spec, th, self.teacher_weight, targets.flatten(), th, self.teacher_weight)
-            sums += part
-            ref_nll += ref[0].item()
+                sums += self.step_module(inputs, targets, teacher_hidden.to(acc.device), self.teacher_weight, 1.0)[1]
         n = sums[3].item()
-        return {"eval_ppl": math.exp(sums[0].item() / n), "eval_ref_ppl": math.exp(ref_nll / n),
-                "eval_ppl_ratio": math.exp((sums[0].item() - ref_nll) / n), "eval_kl": sums[1].item() / n,
-                "eval_top1": sums[2].item() / n, "eval_tokens": int(n)}
+        return {"ppl": math.exp(sums[0].item() / n), "ref_ppl": math.exp(ref_nll / n),
+                "ppl_ratio": math.exp((sums[0].item() - ref_nll) / n), "kl": sums[1].item() / n,
+                "top1_agreement": sums[2].item() / n, "tokens": int(n)}
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> Path:
@@ -256,7 +305,8 @@ class Trainer:
         t, acc = self.recipe.train, self.accelerator
         log = checkpoint.Log(self.output / "train_log.jsonl", acc.is_main_process, self.start_step)
         if self.start_step == 0:
-            log.write({"step": 0, "tokens": 0, **self.evaluate()})
+            log.write({"step": 0, "tokens": 0, **({"generated": self.generation_stats} if self.generation_stats else {}),
+                       **self.evaluate()})
         bar = tqdm(total=t.steps, initial=self.start_step, desc="train", unit="step",
                    disable=not (self.progress and acc.is_main_process), file=sys.stderr)
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
@@ -268,10 +318,10 @@ class Trainer:
             done = step + 1
             if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
                 record.update(self.evaluate())
-            if t.log_every and (done % t.log_every == 0 or "eval_ppl" in record):
+            if t.log_every and (done % t.log_every == 0 or "eval" in record):
                 log.write(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            **({"eval_ppl": f"{record['eval_ppl']:.2f}"} if "eval_ppl" in record else {}))
+                            **{name: f"{e['ppl_ratio']:.2f}x" for name, e in record.get("eval", {}).items()})
             bar.update()
             if t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:
                 checkpoint.save(self, done)
@@ -289,6 +339,8 @@ class Trainer:
             export.write_model(self, state)
             if not self.recipe.model.init_from:
                 shutil.rmtree(self.init_dir, ignore_errors=True)
+            if not self.recipe.train.keep_checkpoints_at_end:  # OUTPUT is then the model, ready to share
+                shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
         acc.wait_for_everyone()
         return self.output
 
