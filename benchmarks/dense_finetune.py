@@ -23,8 +23,9 @@ from stem_upcycle.training.trainer import Trainer  # noqa: E402
 
 
 def curve(run: Path) -> dict[int, dict]:
+    """{tokens trained: {held-out set: figures}} from a run's log."""
     records = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
-    return {r["tokens"]: r for r in records if "eval_ppl" in r}
+    return {r["tokens"]: r["eval"] for r in records if "eval" in r}
 
 
 def main():
@@ -44,10 +45,14 @@ def main():
         Trainer(recipe, Path(args.output), progress=True).run()
     dense = curve(Path(args.output))
     stem = curve(args.stem_run) if args.stem_run else {}
-    print(f"{'tokens':>8} {'dense fine-tuned':>17} {'STEM':>8} {'dense (untrained)':>18}")
-    for tokens, record in dense.items():
-        other = f"{stem[tokens]['eval_ppl']:.2f}" if tokens in stem else "-"
-        print(f"{tokens:>8} {record['eval_ppl']:>17.2f} {other:>8} {record['eval_ref_ppl']:>18.2f}")
+    for name in next(iter(dense.values())):
+        print(f"held-out set {name}: perplexity (ratio to the untrained dense model)")
+        print(f"{'tokens':>8} {'dense (untrained)':>18} {'dense fine-tuned':>22} {'STEM':>22}")
+        for tokens, sets in dense.items():
+            d = sets[name]
+            other = stem.get(tokens, {}).get(name)
+            stem_cell = f"{other['ppl']:.2f} ({other['ppl_ratio']:.3f}x)" if other else "-"
+            print(f"{tokens:>8} {d['ref_ppl']:>18.2f} {d['ppl']:>12.2f} ({d['ppl_ratio']:.3f}x) {stem_cell:>22}")
 
 
 if __name__ == "__main__":

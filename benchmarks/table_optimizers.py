@@ -11,10 +11,12 @@ AdamW. A run whose output is complete is read back rather than repeated.
 """
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recipe_variants import run  # noqa: E402
 
 DEFAULT_RUNS = ["rowwise_adagrad=2e-2", "adam=1e-3", "adamw=1e-3", "adam=1e-2", "adamw=1e-2"]  # optimizer=table LR
 
@@ -31,23 +33,21 @@ def main():
     args = parser.parse_args()
 
     results = {}
-    for run in args.run or DEFAULT_RUNS:
-        name, lr = run.split("=")
-        out = args.output / f"{name}-lr{lr}"
+    for item in args.run or DEFAULT_RUNS:
+        name, lr = item.split("=")
         sets = [f"model.init_from={args.init}", "train.trainable=[tables]", f"tables.optimizer={name}", f"tables.lr={lr}",
                 f"train.steps={args.steps}", f"train.batch_size={args.batch_size}", "train.eval_every=0",
                 "train.checkpoint_every=0", "train.warmup_steps=0"]
-        if not (out / "config.json").exists():  # finished runs are read back, not repeated
-            command = [sys.executable, "-m", "stem_upcycle.cli", "train", args.recipe, "--output", str(out), "--quiet"]
-            subprocess.run(command + [w for s in sets for w in ("--set", s)], check=True)
-        log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-        results[run] = (log[0], log[-1])
-    base = next((last for run, (_, last) in results.items() if run.startswith("adamw=")), None)
+        first, last, _ = run(args.recipe, args.output / f"{name}-lr{lr}", sets)
+        results[item] = (first, last)
+    base = next((last for item, (_, last) in results.items() if item.startswith("adamw=")), None)
+    heldout = next(iter(next(iter(results.values()))[0]["eval"]))  # the recipe's first held-out set
+    print(f"held-out set: {heldout}")
     print(f"{'optimizer=lr':<22} {'ppl before':>10} {'ppl after':>10} {'tok/s':>7} {'peak RSS GB':>12} {'RSS vs AdamW':>13}")
-    for run, (first, last) in results.items():
+    for item, (first, last) in results.items():
         ratio = f"{last['peak_rss_gb'] / base['peak_rss_gb']:>12.2f}x" if base else f"{'-':>13}"
-        print(f"{run:<22} {first['eval_ppl']:>10.2f} {last['eval_ppl']:>10.2f} {last['tokens_per_s']:>7.0f} "
-              f"{last['peak_rss_gb']:>12.2f} {ratio}")
+        print(f"{item:<22} {first['eval'][heldout]['ppl']:>10.2f} {last['eval'][heldout]['ppl']:>10.2f} "
+              f"{last['tokens_per_s']:>7.0f} {last['peak_rss_gb']:>12.2f} {ratio}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,10 @@ def main():
               help="How the tables are initialised.")
 @click.option("--calib-data", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Plain-text calibration file for --init calib / calib-mean; repeat for several.")
-@click.option("--calib-tokens", default=131072, show_default=True, help="Calibration tokens read, at most.")
+@click.option("--calib-tokens", default=131072, show_default=True, help="Calibration tokens in all, at most.")
+@click.option("--calib-generate", default=0, show_default=True, metavar="TOKENS",
+              help="Of the calibration tokens, this many are text sampled from SOURCE itself (generated once, cached), "
+                   "so that tokens the calibration text never shows get calibrated rows; alone, a data-free init.")
 @click.option("--calib-seq-len", default=512, show_default=True, help="Tokens per calibration forward.")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
@@ -51,8 +54,8 @@ def main():
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def convert(source, out, layers, init, calib_data, calib_tokens, calib_seq_len, dtype, max_shard_size, overwrite,
-            dry_run, quiet):
+def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, dtype, max_shard_size,
+            overwrite, dry_run, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id already in the local cache, a .gguf file,
@@ -60,11 +63,18 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_seq_len, 
     """
     from pathlib import Path
 
+    import torch
+
     from .convert import check_output, plan_conversion, run_conversion
     from .source import open_source
 
+    src = open_source(source)
     options = {"calib_data": list(calib_data), "calib_tokens": calib_tokens, "calib_seq_len": calib_seq_len}
-    plan = plan_conversion(open_source(source), layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
+    if calib_generate and dry_run:  # stands for the text a real run samples: a dry run generates nothing
+        options["calib_generated"] = torch.zeros(0, dtype=torch.long)
+    elif calib_generate:
+        options.update(generated_calibration(src, calib_generate, calib_tokens, progress=not quiet))
+    plan = plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
                            init_options=options, progress=not quiet)
     click.echo(plan.describe())
     if dry_run:
@@ -74,13 +84,30 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_seq_len, 
     # The command as run, with every default spelled out, for the model card.
     words = ["stem-upcycle", "convert", source, out, "--layers", layers, "--init", init, "--dtype", dtype,
              "--max-shard-size", str(max_shard_size)]
-    if calib_data:
+    if calib_data or calib_generate:
         words += [w for f in calib_data for w in ("--calib-data", f)]
-        words += ["--calib-tokens", str(calib_tokens), "--calib-seq-len", str(calib_seq_len)]
+        words += ["--calib-tokens", str(calib_tokens), "--calib-generate", str(calib_generate),
+                  "--calib-seq-len", str(calib_seq_len)]
     command = " ".join(shlex.quote(w) for w in words)
     run_conversion(plan, Path(out), overwrite=overwrite, progress=not quiet, command=command)
     click.echo(f"wrote {out}")
     click.echo(f"note: {UNTRAINED_WARNING}", err=True)
+
+
+def generated_calibration(source, tokens: int, calib_tokens: int, progress: bool) -> dict:
+    """init_options for calibrating on `tokens` tokens sampled from the source model (and that model, loaded once)."""
+    from .evaluate import load_tokenizer, model_from_source
+    from .generate import GeneratedText, Sampling
+
+    if tokens > calib_tokens:
+        raise UserError(f"--calib-generate {tokens} is more than --calib-tokens {calib_tokens}; raise --calib-tokens")
+    model = model_from_source(source)
+    text = GeneratedText(source, Sampling(sequences=-(-tokens // Sampling.length)))
+    ids, stats = text.ensure(model, load_tokenizer(source), progress=progress)
+    if stats:
+        click.echo(f"generated {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} "
+                   f"tokens/s) into {text.folder}", err=True)
+    return {"calib_generated": ids.flatten()[:tokens], "dense_model": model}
 
 
 @main.command()

@@ -8,19 +8,18 @@ distribution at `temperature`. End-of-text is suppressed, so every sequence is o
 text of the full length (transformers' `generate` would otherwise pad a finished row).
 
 Sequences are generated in batches with the KV cache. Batch b always draws from the seed
-(seed, b), so the result does not depend on how batches are spread over processes, and a run that
-was cut short resumes at the first missing batch. The finished set is cached on disk under a key
-made of the model's weight files and the settings: a second run, or the dense baseline trained on
-the same data, reads it back instead of generating again.
+(seed, b), so the result does not depend on how batches are spread over processes or how many are
+asked for. Batches are cached on disk as they finish, under a key made of the model's weight files
+and the settings: a run cut short resumes at the missing batches, and a second run (or the dense
+baseline trained on the same data, or a larger request) reads them back instead of generating again.
 """
 
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,8 +37,8 @@ class Sampling:
     """How the dense model's own text is sampled."""
 
     sequences: int  # how many sequences
-    length: int  # tokens per sequence, the start token included
-    batch_size: int = 16  # sequences generated at once (one KV cache)
+    length: int = 256  # tokens per sequence, the start token included
+    batch_size: int = 32  # sequences generated at once (one KV cache)
     first_tokens: int = 4  # tokens after the start token chosen among the top `first_top_k`
     first_top_k: int = 1
     temperature: float = 1.0  # for every later token, sampled from the full distribution
@@ -73,8 +72,8 @@ def start_tokens(vocab_size: int, special: list[int], count: int, generator: tor
 
 @torch.no_grad()
 def sample_batch(model, tokenizer, sampling: Sampling, index: int) -> torch.Tensor:
-    """[n, length] int32 ids of batch `index` (n = batch_size, or what is left in the last batch)."""
-    n = min(sampling.batch_size, sampling.sequences - index * sampling.batch_size)
+    """[batch_size, length] int32 ids of batch `index` (always whole: the last batch may hold more than needed)."""
+    n = sampling.batch_size
     generator = torch.Generator().manual_seed(sampling.seed * 1_000_003 + index)
     vocab = model.config.vocab_size
     starts = start_tokens(vocab, tokenizer.all_special_ids, n, generator)[:, None].to(model.device)  # [n, 1]
@@ -106,49 +105,50 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 class GeneratedText:
-    """The generated sequences of one (model, sampling) pair, in the on-disk cache."""
+    """Sequences sampled from one model with one set of settings, cached on disk batch by batch.
+
+    The cache folder's key leaves out the number of sequences: batch b is the same text whatever that
+    number, so a larger request reads the batches on disk and generates only the others."""
 
     def __init__(self, source: Source, sampling: Sampling, cache_dir: str | Path | None = None):
         self.sampling = sampling
-        root = cache_root(cache_dir)
-        key = cache_key(source, sampling)
-        self.path = root / f"{key}.safetensors"
-        self.parts = root / f"{key}.parts"  # one file per finished batch, while generating
+        self.folder = cache_root(cache_dir) / cache_key(source, replace(sampling, sequences=0))
 
-    def cached(self) -> bool:
-        return self.path.exists()
+    def missing(self) -> list[int]:
+        return [b for b in range(self.sampling.batches) if not self._batch(b).exists()]
 
     def generate(self, model, tokenizer, rank: int = 0, world: int = 1, progress: bool = True) -> dict:
-        """Generate the batches this process owns (b % world == rank) that are not on disk yet.
+        """Generate the missing batches this process owns (b % world == rank).
 
         Returns {"tokens", "seconds", "tokens_per_s"} for what this process generated."""
         from tqdm.auto import tqdm
 
-        self.parts.mkdir(parents=True, exist_ok=True)
-        todo = [b for b in range(rank, self.sampling.batches, world) if not self._part(b).exists()]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        settings = self.folder / "sampling.json"  # for people reading the cache; the key is the folder name
+        if not settings.exists():
+            settings.write_text(json.dumps(asdict(replace(self.sampling, sequences=0))) + "\n")
+        todo = [b for b in self.missing() if b % world == rank]
         started, tokens = time.perf_counter(), 0
         bar = tqdm(todo, desc="generate", unit="batch", disable=not progress, file=sys.stderr)
         for b in bar:
             ids = sample_batch(model, tokenizer, self.sampling, b)
-            partial = self._part(b).with_suffix(".partial")
+            partial = self._batch(b).with_suffix(f".partial-{os.getpid()}")
             save_file({"ids": ids}, partial)
-            partial.rename(self._part(b))  # a batch file exists only once it is complete
+            partial.rename(self._batch(b))  # a batch file exists only once it is complete
             tokens += ids.numel()
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
         seconds = time.perf_counter() - started
         return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0}
 
-    def finish(self) -> None:
-        """Join the batch files into the cache file (once every batch exists), then drop them."""
-        ids = torch.cat([load_file(self._part(b))["ids"] for b in range(self.sampling.batches)])
-        partial = self.path.with_suffix(".partial")
-        save_file({"ids": ids}, partial, metadata={"sampling": json.dumps(asdict(self.sampling))})
-        partial.rename(self.path)
-        shutil.rmtree(self.parts, ignore_errors=True)
+    def ensure(self, model, tokenizer, progress: bool = True) -> tuple[torch.Tensor, dict]:
+        """(ids, generation figures) in one process: what is missing is generated (figures empty if nothing was)."""
+        stats = self.generate(model, tokenizer, progress=progress) if self.missing() else {}
+        return self.load(), stats
 
     def load(self) -> torch.Tensor:
         """[sequences, length] int64 ids."""
-        return load_file(self.path)["ids"].long()
+        batches = [load_file(self._batch(b))["ids"] for b in range(self.sampling.batches)]
+        return torch.cat(batches)[: self.sampling.sequences].long()
 
-    def _part(self, batch: int) -> Path:
-        return self.parts / f"batch-{batch:06d}.safetensors"
+    def _batch(self, index: int) -> Path:
+        return self.folder / f"batch-{index:06d}.safetensors"

@@ -3,7 +3,6 @@
 import json
 
 import torch
-from safetensors import safe_open
 
 from stem_upcycle.calibrate import calibration_windows
 from stem_upcycle.generate import GeneratedText, Sampling, sample_batch
@@ -29,7 +28,7 @@ def test_batches_are_seeded_start_greedy_then_sample_and_never_end(tmp_path):
     assert first.shape == (8, 24) and first.dtype == torch.int32
     assert torch.equal(first, sample_batch(model, tokenizer, sampling, 0))  # same seed and index: same text
     assert not torch.equal(first, sample_batch(model, tokenizer, sampling, 1))
-    assert sample_batch(model, tokenizer, sampling, 2).shape == (4, 24)  # the last batch holds what is left
+    assert sample_batch(model, tokenizer, sampling, 2).shape == (8, 24)  # batches are always whole
     assert not torch.isin(first[:, 0], torch.tensor(tokenizer.all_special_ids)).any()  # start: no special token
     assert not (first[:, 1:] == EOS).any()  # end-of-text is suppressed: every row is one text of full length
     with torch.no_grad():  # tokens 1..3 are the greedy continuation; later ones are sampled
@@ -47,33 +46,30 @@ def test_top_k_start_keeps_the_first_tokens_among_the_k_most_likely(tmp_path):
     assert (top3 == ids[:, 1:5, None]).any(-1).all()
 
 
-def test_generated_text_is_cached_and_independent_of_the_number_of_processes(tmp_path):
+def test_generated_text_is_cached_batch_by_batch_whatever_the_processes_or_the_size(tmp_path):
     model, tokenizer, source = _model_and_tokenizer(tmp_path)
     sampling = Sampling(sequences=10, length=12, batch_size=4, seed=1)
     one = GeneratedText(source, sampling, tmp_path / "cache1")
-    assert not one.cached()
+    assert one.missing() == [0, 1, 2]
     stats = one.generate(model, tokenizer, progress=False)
-    assert stats["tokens"] == 120 and stats["tokens_per_s"] > 0
-    one.finish()
-    assert one.cached() and not one.parts.exists()
+    assert stats["tokens"] == 3 * 4 * 12 and stats["tokens_per_s"] > 0  # whole batches
+    assert one.missing() == [] and one.load().shape == (10, 12)
     two = GeneratedText(source, sampling, tmp_path / "cache2")
     for rank in (1, 0):  # two processes, each its share of the batches
         two.generate(model, tokenizer, rank=rank, world=2, progress=False)
-    two.finish()
     assert torch.equal(one.load(), two.load())
-    assert one.load().shape == (10, 12)
-    # A run cut short resumes at the missing batch: the others are not generated again.
-    three = GeneratedText(source, sampling, tmp_path / "cache3")
-    three.generate(model, tokenizer, progress=False)
-    (three.parts / "batch-000001.safetensors").unlink()
-    assert three.generate(model, tokenizer, progress=False)["tokens"] == 4 * 12
-    three.finish()
-    assert torch.equal(three.load(), one.load())
-    # The key covers the settings: other settings are other text in another file.
+    # A run cut short resumes at the missing batch; a larger request generates only the batches it adds.
+    (two.folder / "batch-000001.safetensors").unlink()
+    assert two.generate(model, tokenizer, progress=False)["tokens"] == 4 * 12
+    larger = GeneratedText(source, Sampling(sequences=14, length=12, batch_size=4, seed=1), tmp_path / "cache2")
+    assert larger.folder == two.folder and larger.missing() == [3]
+    ids, stats = larger.ensure(model, tokenizer, progress=False)
+    assert stats["tokens"] == 4 * 12 and torch.equal(ids[:10], one.load())
+    assert larger.ensure(model, tokenizer, progress=False)[1] == {}  # all on disk now
+    # The key covers the settings: other settings are other text in another folder.
     other = GeneratedText(source, Sampling(sequences=10, length=12, batch_size=4, seed=2), tmp_path / "cache1")
-    assert other.path != one.path and not other.cached()
-    with safe_open(str(one.path), "pt") as f:  # the file says how its text was sampled
-        assert json.loads(f.metadata()["sampling"])["seed"] == 1
+    assert other.folder != one.folder and other.missing() == [0, 1, 2]
+    assert json.loads((one.folder / "sampling.json").read_text())["seed"] == 1  # the folder says what it holds
 
 
 def test_calibration_windows_take_text_first_then_generated_ids(tmp_path):
@@ -88,3 +84,26 @@ def test_calibration_windows_take_text_first_then_generated_ids(tmp_path):
     assert torch.equal(windows.flatten()[20:], generated)
     only_generated = calibration_windows(source, {**options, "calib_data": []})
     assert torch.equal(only_generated.flatten(), generated)
+
+
+def test_convert_calibrates_on_generated_text_without_any_data(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from stem_upcycle.cli import main
+
+    _model_and_tokenizer(tmp_path)
+    monkeypatch.setenv("STEM_UPCYCLE_CACHE", str(tmp_path / "cache"))
+    args = ["convert", str(tmp_path / "dense"), "--layers", "0,2", "--init", "calib", "--calib-generate", "1024",
+            "--calib-tokens", "1024", "--calib-seq-len", "32", "--quiet"]
+    first = CliRunner().invoke(main, [*args[:2], str(tmp_path / "a"), *args[2:]])
+    assert first.exit_code == 0, first.output
+    assert "generated 8192 tokens" in first.output  # one whole batch of 32 sequences of 256, of which 4 are used
+    second = CliRunner().invoke(main, [*args[:2], str(tmp_path / "b"), *args[2:]])
+    assert second.exit_code == 0 and "generated" not in second.output  # read back from the cache
+    weights = "model-00001-of-00001.safetensors"
+    assert (tmp_path / "a" / weights).read_bytes() == (tmp_path / "b" / weights).read_bytes()
+    assert "--calib-generate 1024" in (tmp_path / "a" / "README.md").read_text()
+    dry = CliRunner().invoke(main, [*args[:2], str(tmp_path / "c"), *args[2:], "--dry-run"])
+    assert dry.exit_code == 0 and "dry run: nothing written" in dry.output
+    too_many = CliRunner().invoke(main, [*args[:2], str(tmp_path / "d"), *args[2:7], "2048", *args[8:]])
+    assert too_many.exit_code == 1 and "more than --calib-tokens" in too_many.output

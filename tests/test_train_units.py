@@ -120,6 +120,9 @@ def test_recipe_overrides_and_errors(tmp_path):
     recipe = load_recipe(recipe_file, ["train.steps=7", "tables.optimizer=adam", "train.trainable=[tables, lora]"])
     assert (recipe.train.steps, recipe.train.lr, recipe.tables.optimizer) == (7, 3e-4, "adam")
     assert recipe.train.trainable == ["tables", "lora"]
+    assert load_recipe(recipe_file, ["data.eval=[x.txt, y.txt]"]).data.eval == {"heldout": ["x.txt", "y.txt"]}
+    named = load_recipe(recipe_file, ["data.eval={plays: x.txt, docs: [y.txt, z.txt]}"]).data.eval
+    assert named == {"plays": ["x.txt"], "docs": ["y.txt", "z.txt"]}
     for overrides, message in [
         (["train.stepz=3"], "train.'stepz' is unknown"),
         (["train.steps=many"], "must be a number"),
@@ -127,6 +130,12 @@ def test_recipe_overrides_and_errors(tmp_path):
         (["train.batch_size=6", "train.micro_batch_size=4"], "not a multiple"),
         (["tables.optimizer=sgd"], "sgd"),
         (["steps=3"], "section.key=value"),
+        (["generated.train_share=1.5"], "generated.train_share must lie in"),
+        (["generated.tokens=100"], "makes no training sequence"),
+        (["generated.tokens=5000", "generated.first_tokens=300"], "must be below generated.length"),
+        (["data.train=[]"], "data.train is empty"),
+        (["data.train=[]", "generated.tokens=5000", "generated.train_share=1"], "name held-out sets in data.eval"),
+        (["data.eval={a: []}"], "set 'a' names no file"),
     ]:
         with pytest.raises(RecipeError, match=message):
             load_recipe(recipe_file, overrides)

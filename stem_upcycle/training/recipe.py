@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import UserError
+from ..generate import Sampling
 
 
 class RecipeError(UserError):
@@ -68,12 +69,12 @@ class GeneratedSection:
     """Text sampled from the dense source itself (LLM-QAT's data-free distillation; see generate.py)."""
 
     tokens: int = 0  # tokens to generate; 0: none
-    length: int = 256  # tokens per generated sequence; joined with EOS and cut into data.seq_len + 1 for training
-    batch_size: int = 32  # sequences generated at once
-    first_tokens: int = 4  # after a random start token, this many chosen among the top first_top_k
-    first_top_k: int = 1
-    temperature: float = 1.0  # every later token sampled from the full distribution
-    seed: int = 0
+    length: int = Sampling.length  # tokens per generated sequence; joined with EOS, cut into data.seq_len + 1
+    batch_size: int = Sampling.batch_size  # sequences generated at once
+    first_tokens: int = Sampling.first_tokens  # after a random start token, these are among the top first_top_k
+    first_top_k: int = Sampling.first_top_k
+    temperature: float = Sampling.temperature  # every later token sampled from the full distribution
+    seed: int = Sampling.seed
     train_share: float = 0.5  # share of each training batch's sequences that are generated
     calib_share: float = 0.5  # share of model.calib_tokens that are generated (when converting)
     ce: bool = False  # cross-entropy on generated text too; false: KL to the teacher only

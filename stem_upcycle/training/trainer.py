@@ -149,20 +149,20 @@ class Trainer:
                             first_tokens=g.first_tokens, first_top_k=g.first_top_k, temperature=g.temperature,
                             seed=g.seed)
         text = GeneratedText(self.source, sampling, g.cache_dir)
-        stats = {}
-        if not text.cached():
-            tokenizer = load_tokenizer(self.source)
-            with acc.autocast():  # every process generates its share of the batches
-                stats = text.generate(self.teacher, tokenizer, acc.process_index, acc.num_processes,
-                                      progress=self.progress and acc.is_main_process)
-            acc.wait_for_everyone()
-            if acc.is_main_process:
-                text.finish()
-                stats = {"tokens": sampling.sequences * length, "seconds": stats["seconds"],
-                         "tokens_per_s": sampling.sequences * length / max(stats["seconds"], 1e-9)}
-                print(f"generated {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} "
-                      f"tokens/s, {acc.num_processes} process(es)) into {text.path}", file=sys.stderr)
+        tokenizer = load_tokenizer(self.source)
+        with acc.autocast():  # every process generates its share of the missing batches
+            mine = text.generate(self.teacher, tokenizer, acc.process_index, acc.num_processes,
+                                 progress=self.progress and acc.is_main_process)
         acc.wait_for_everyone()
+        tokens = mine["tokens"]
+        if acc.num_processes > 1:
+            tokens = int(acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item())
+        stats = {}
+        if tokens:
+            stats = {"tokens": tokens, "seconds": mine["seconds"], "tokens_per_s": tokens / max(mine["seconds"], 1e-9)}
+            if acc.is_main_process:
+                print(f"generated {tokens} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tokens/s, "
+                      f"{acc.num_processes} process(es)) into {text.folder}", file=sys.stderr)
         return text.load(), stats
 
     def _initial_model(self) -> Path:
