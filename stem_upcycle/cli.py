@@ -97,17 +97,18 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
 def generated_calibration(source, tokens: int, calib_tokens: int, progress: bool) -> dict:
     """init_options for calibrating on `tokens` tokens sampled from the source model (and that model, loaded once)."""
     from .evaluate import load_tokenizer, model_from_source
-    from .generate import GeneratedText, Sampling
+    from .generate import GeneratedText, Sampling, as_stream
 
     if tokens > calib_tokens:
         raise UserError(f"--calib-generate {tokens} is more than --calib-tokens {calib_tokens}; raise --calib-tokens")
     model = model_from_source(source)
+    tokenizer = load_tokenizer(source)
     text = GeneratedText(source, Sampling(sequences=-(-tokens // Sampling.length)))
-    ids, stats = text.ensure(model, load_tokenizer(source), progress=progress)
+    ids, stats = text.ensure(model, tokenizer, progress=progress)
     if stats:
         click.echo(f"generated {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} "
                    f"tokens/s) into {text.folder}", err=True)
-    return {"calib_generated": ids.flatten()[:tokens], "dense_model": model}
+    return {"calib_generated": as_stream(ids, tokenizer.eos_token_id)[:tokens], "dense_model": model}
 
 
 @main.command()

@@ -29,7 +29,6 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from .source import Source
 
 CACHE_ENV = "STEM_UPCYCLE_CACHE"
-CACHE = "dynamic"
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ def sample_batch(model, tokenizer, sampling: Sampling, index: int) -> torch.Tens
     vocab = model.config.vocab_size
     starts = start_tokens(vocab, tokenizer.all_special_ids, n, generator)[:, None].to(model.device)  # [n, 1]
     eos = tokenizer.eos_token_id
-    config = GenerationConfig(do_sample=True, cache_implementation=CACHE, temperature=sampling.temperature, top_k=0, top_p=1.0,
+    config = GenerationConfig(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0,
                               max_new_tokens=sampling.length - 1, min_new_tokens=sampling.length - 1,
                               eos_token_id=eos, pad_token_id=eos)
     processors = LogitsProcessorList([_TopKFirst(1, sampling.first_tokens, sampling.first_top_k)])
@@ -88,6 +87,15 @@ def sample_batch(model, tokenizer, sampling: Sampling, index: int) -> torch.Tens
         out = model.generate(starts, attention_mask=torch.ones_like(starts), generation_config=config,
                              logits_processor=processors)
     return out.to("cpu", torch.int32)
+
+
+def as_stream(sequences: torch.Tensor, eos: int | None) -> torch.Tensor:
+    """1-D ids: the sequences [n, length] one after another with EOS between them, as documents are packed
+    (with no EOS token, simply one after another)."""
+    if eos is None:
+        return sequences.long().flatten()
+    separators = torch.full((sequences.shape[0], 1), eos, dtype=torch.long)
+    return torch.cat([sequences.long(), separators], 1).flatten()
 
 
 def cache_key(source: Source, sampling: Sampling) -> str:

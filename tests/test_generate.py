@@ -5,7 +5,7 @@ import json
 import torch
 
 from stem_upcycle.calibrate import calibration_windows
-from stem_upcycle.generate import GeneratedText, Sampling, sample_batch
+from stem_upcycle.generate import GeneratedText, Sampling, as_stream, sample_batch
 from stem_upcycle.source import open_source
 
 from .conftest import VOCAB, save_tiny_tokenizer, tiny_dense
@@ -70,6 +70,12 @@ def test_generated_text_is_cached_batch_by_batch_whatever_the_processes_or_the_s
     other = GeneratedText(source, Sampling(sequences=10, length=12, batch_size=4, seed=2), tmp_path / "cache1")
     assert other.folder != one.folder and other.missing() == [0, 1, 2]
     assert json.loads((one.folder / "sampling.json").read_text())["seed"] == 1  # the folder says what it holds
+
+
+def test_generated_sequences_are_joined_with_eos_as_documents_are_packed():
+    sequences = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+    assert as_stream(sequences, 9).tolist() == [1, 2, 3, 9, 4, 5, 6, 9]
+    assert as_stream(sequences, None).tolist() == [1, 2, 3, 4, 5, 6]  # a tokenizer without EOS
 
 
 def test_calibration_windows_take_text_first_then_generated_ids(tmp_path):

@@ -79,7 +79,7 @@ def test_calibrated_init_is_far_closer_to_dense_than_the_closed_form(converted, 
     for name, path in (("closed-form", converted), ("calib", calib)):
         result = CliRunner().invoke(main, ["eval", str(path), "--data", str(english / "heldout.txt"), "--reference",
                                            "smollm2-135m", "--max-tokens", "2048", "--json", "--quiet"])
-        figures[name] = json.loads(result.stdout)
+        figures[name] = json.loads(result.stdout)["sets"]["heldout"]
     assert figures["calib"]["ppl_ratio"] < 10 < figures["closed-form"]["ppl_ratio"]
     assert figures["calib"]["top1_agreement"] > figures["closed-form"]["top1_agreement"]
     print(json.dumps(figures))
@@ -109,4 +109,4 @@ def test_short_recovery_run_on_smollm2_lowers_held_out_perplexity(english, tmp_p
     result = CliRunner().invoke(main, ["eval", str(out), "--data", str(english / "heldout.txt"), "--max-tokens", "1024",
                                        "--window", "256", "--json", "--quiet"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["ppl"] < 2 * first["ref_ppl"]
+    assert json.loads(result.stdout)["sets"]["heldout"]["ppl"] < 2 * first["ref_ppl"]

@@ -176,11 +176,13 @@ def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(works
     assert all(r["eval"]["markov"]["ref_ppl"] == log[0]["eval"]["markov"]["ref_ppl"] for r in log if "eval" in r)
     assert log[0]["eval"]["markov"]["ppl"] != log[0]["eval"]["other"]["ppl"]
     assert not (workspace / "mixed" / "checkpoints").exists()  # the output is the model, ready to share
+    assert not (workspace / "mixed" / "init").exists()
     card = (workspace / "mixed" / "README.md").read_text()
     assert "| markov |" in card and "| other |" in card and "660 tokens sampled" in card
 
     # Data-free: generated text only (read back from the cache), calibration on it too; checkpoints kept.
-    free = Trainer(load_recipe(None, [*common, "generated.train_share=1", "train.keep_checkpoints_at_end=true"]),
+    free = Trainer(load_recipe(None, [*common, "generated.train_share=1", "train.keep_checkpoints_at_end=true",
+                                      "model.keep_init=true"]),
                    workspace / "free", progress=False)
     assert torch.equal(free.generated, mixed.generated) and free.generation_stats == {}
     assert free.batches.step(0)[1].all()
@@ -191,4 +193,4 @@ def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(works
     changed = (free.tables[0].weight != before).any(1).nonzero()[:, 0]
     read = torch.cat([free.batches.step(s)[0][:, :-1] for s in range(4)]).unique()
     assert changed.numel() > 0 and torch.isin(changed, read).all()  # the rows of the generated text trained
-    assert (workspace / "free" / "checkpoints" / "step-2").exists()
+    assert (workspace / "free" / "checkpoints" / "step-2").exists() and (workspace / "free" / "init" / "config.json").exists()

@@ -19,7 +19,8 @@ from ..shards import staging_dir
 
 # Keys that may change between a run and its resume without changing what was computed so far.
 RESUMABLE_CHANGES = {("train", "steps"), ("train", "eval_every"), ("train", "checkpoint_every"),
-                     ("train", "keep_checkpoints"), ("train", "keep_checkpoints_at_end"), ("train", "log_every")}
+                     ("train", "keep_checkpoints"), ("train", "keep_checkpoints_at_end"), ("train", "log_every"),
+                     ("model", "keep_init")}
 
 
 class ResumeError(UserError):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..generate import as_stream
 
 
 class DataError(UserError):
@@ -62,8 +63,7 @@ def pack(documents: list[str], tokenizer, seq_len: int, max_tokens: int = 0) -> 
 
 def pack_ids(sequences: torch.Tensor, tokenizer, seq_len: int) -> torch.Tensor:
     """[n, seq_len + 1]: token sequences [m, length] (generated text) joined with EOS, cut as `pack` cuts."""
-    eos = torch.full((sequences.shape[0], 1), _eos(tokenizer), dtype=torch.long)
-    return cut(torch.cat([sequences.long(), eos], 1).flatten(), seq_len)
+    return cut(as_stream(sequences, _eos(tokenizer)), seq_len)
 
 
 def cut(stream: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ class ModelSection:
     calib_data: list = field(default_factory=list)  # calibration text files (globs); default: the training files
     calib_tokens: int = 65536
     calib_seq_len: int = 512
+    keep_init: bool = False  # keep the converted starting point in OUTPUT/init after export (to compare with it)
 
 
 @dataclass

@@ -7,7 +7,7 @@ through accelerate), tables with a row-wise optimizer on the step's rows only (t
 are averaged across processes by hand: every process gathers the same rows, those of the global
 batch). Output layout:
 
-    OUTPUT/init/             the converted starting point (removed after export unless given)
+    OUTPUT/init/             the converted starting point (removed after export unless model.keep_init)
     OUTPUT/checkpoints/      step-N/ with trainable weights, tables, optimizer states (removed after
                              export unless train.keep_checkpoints_at_end)
     OUTPUT/recipe.yaml       the recipe as run;  OUTPUT/train_log.jsonl  one JSON object per line
@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import UserError
 from ..evaluate import load_tokenizer, model_from_source
-from ..generate import GeneratedText, Sampling
+from ..generate import GeneratedText, Sampling, as_stream
 from ..source import open_source
 from . import checkpoint, export
 from .data import MixedBatches, heldout_paths, load_data, pack_ids
@@ -182,7 +182,8 @@ class Trainer:
                        "dense_model": self.teacher}
             if self.generated is not None and self.recipe.generated.calib_share:
                 share = self.recipe.generated.calib_share if calib else 1.0
-                options["calib_generated"] = self.generated.flatten()[: round(m.calib_tokens * share)]
+                stream = as_stream(self.generated, load_tokenizer(self.source).eos_token_id)  # as training packs it
+                options["calib_generated"] = stream[: round(m.calib_tokens * share)]
             plan = plan_conversion(self.source, layers=m.layers, init=m.init, dtype="float32", init_options=options)
             print(plan.describe(), file=sys.stderr)
             run_conversion(plan, init_dir, overwrite=True, progress=self.progress,
@@ -337,7 +338,7 @@ class Trainer:
             state = {k.removeprefix("student."): v for k, v in acc.get_state_dict(self.step_module).items()}
         if acc.is_main_process:
             export.write_model(self, state)
-            if not self.recipe.model.init_from:
+            if not (self.recipe.model.init_from or self.recipe.model.keep_init):
                 shutil.rmtree(self.init_dir, ignore_errors=True)
             if not self.recipe.train.keep_checkpoints_at_end:  # OUTPUT is then the model, ready to share
                 shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
