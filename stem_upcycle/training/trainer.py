@@ -95,6 +95,7 @@ class Trainer:
 
         self.source = open_source(recipe.model.source)
         self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
+        self.teacher_tokenizer = load_tokenizer(self.source)  # what generation samples with and calibration joins with
         self.generated, self.generation_stats = self._generated_text()
         self.init_dir = self._initial_model()
         self.tokenizer = load_tokenizer(open_source(str(self.init_dir)))
@@ -149,9 +150,8 @@ class Trainer:
                             first_tokens=g.first_tokens, first_top_k=g.first_top_k, temperature=g.temperature,
                             seed=g.seed)
         text = GeneratedText(self.source, sampling, g.cache_dir)
-        tokenizer = load_tokenizer(self.source)
         with acc.autocast():  # every process generates its share of the missing batches
-            mine = text.generate(self.teacher, tokenizer, acc.process_index, acc.num_processes,
+            mine = text.generate(self.teacher, self.teacher_tokenizer, acc.process_index, acc.num_processes,
                                  progress=self.progress and acc.is_main_process)
         acc.wait_for_everyone()
         tokens = mine["tokens"]
@@ -182,7 +182,7 @@ class Trainer:
                        "dense_model": self.teacher}
             if self.generated is not None and self.recipe.generated.calib_share:
                 share = self.recipe.generated.calib_share if calib else 1.0
-                stream = as_stream(self.generated, load_tokenizer(self.source).eos_token_id)  # as training packs it
+                stream = as_stream(self.generated, self.teacher_tokenizer.eos_token_id)  # as training packs it
                 options["calib_generated"] = stream[: round(m.calib_tokens * share)]
             plan = plan_conversion(self.source, layers=m.layers, init=m.init, dtype="float32", init_options=options)
             print(plan.describe(), file=sys.stderr)
