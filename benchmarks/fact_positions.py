@@ -12,28 +12,22 @@ of `--init calib`): an upper bound for what better-estimated rows can give back.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stem_upcycle.evaluate import load_model, load_tokenizer  # noqa: E402
 from stem_upcycle.facts import load_facts  # noqa: E402
+from stem_upcycle.source import open_source  # noqa: E402
 
 
-def read_tables(converted: Path) -> dict[int, torch.Tensor]:
+def read_tables(converted: str) -> dict[int, torch.Tensor]:
     """{layer: [vocab, intermediate] table} of a STEM checkpoint written by `convert` or `train`."""
-    weight_map = json.loads((converted / "model.safetensors.index.json").read_text())["weight_map"]
-    tables = {}
-    for name, shard in weight_map.items():
-        if name.endswith("mlp.up_table.weight"):
-            with safe_open(converted / shard, "pt") as f:
-                tables[int(name.split(".")[2])] = f.get_tensor(name)
-    return tables
+    tensors = open_source(converted).tensors
+    return {int(name.split(".")[2]): tensors.get(name) for name in tensors.names() if name.endswith("mlp.up_table.weight")}
 
 
 class TableRows:
@@ -54,7 +48,10 @@ class TableRows:
 
 @torch.no_grad()
 def recalibrate_on(model, tables: dict[int, torch.Tensor], prompts: list[torch.Tensor]) -> None:
-    """Rows of the prompts' tokens set to the gate-weighted mean of W_up x over the prompts (dense forward)."""
+    """Rows of the prompts' tokens set to the gate-weighted mean of W_up x over the prompts (dense forward).
+
+    Not CalibratedInit: it cuts one stream into windows (each prompt would see the ones before it) and refits
+    every row; here each prompt is run alone and only its tokens' rows change."""
     sums = {layer: {} for layer in tables}
 
     def accumulate(layer: int, ids: torch.Tensor):
@@ -78,7 +75,7 @@ def recalibrate_on(model, tables: dict[int, torch.Tensor], prompts: list[torch.T
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("converted", type=Path, help="a STEM conversion of --parent (its tables are read)")
+    parser.add_argument("converted", help="a STEM conversion of --parent (its tables are read)")
     parser.add_argument("--parent", default="smollm2-135m")
     args = parser.parse_args()
 
