@@ -28,7 +28,7 @@ from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards, stag
 from .source import Source
 
 MODELING_DIR = Path(__file__).parent / "modeling"
-MODELING_FILES = ("configuration_stem.py", "modeling_stem.py")
+MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "stem_tables.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_stem.StemConfig",
     "AutoModel": "modeling_stem.StemModel",

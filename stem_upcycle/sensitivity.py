@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers.activations import ACT2FN
 
 from .evaluate import model_from_source
@@ -21,6 +22,8 @@ from .families import Family, layer_name
 from .init import mlp_projections
 from .initialisers import INITIALISERS
 from .layers import LayerSpecError, parse_layers
+from .modeling.modeling_stem import StemMLP
+from .modeling.stem_tables import IdHandoff
 
 AUTO = re.compile(r"auto\s*:\s*(\d+\s*/\s*\d+)")
 MEASURE_WINDOWS = 8  # calibration windows scored per layer
@@ -57,36 +60,50 @@ def measure_costs(model, calibrated, family: Family, config, windows: torch.Tens
 
 @torch.no_grad()
 def perplexity_with(model, calibrated, family: Family, config, layers: list[int], windows: torch.Tensor) -> float:
-    """Perplexity of the dense `model` on `windows` [n, seq] with `layers` converted (calibrated rows)."""
-    activation = ACT2FN[config.stem_activation]
+    """Perplexity of the dense `model` on `windows` [n, seq] with `layers` converted (calibrated rows):
+    a forward hook makes each such layer's MLP return a STEM MLP's output on the same input."""
+    token_ids = IdHandoff()
     ids = windows.unique()
-    current = {}
     hooks = []
 
     def stem_mlp(layer):
-        w = {k: (None if v is None else v.float()) for k, v in mlp_projections(calibrated.source.tensors, family, layer).items()}
         tensors = calibrated.source.tensors
-        down = tensors.get(layer_name(layer, family.down + ".weight")).float()
-        bias_name = layer_name(layer, family.down + ".bias")
-        down_bias = tensors.get(bias_name).float() if bias_name in tensors else None
-        rows = calibrated.rows_for(layer, ids)  # [n_ids, d_ff]
-
-        def hook(module, args, output):  # replaces the MLP's output: down(act(gate(x)) * U[ids])
-            up = rows[torch.searchsorted(ids, current["ids"])][None]
-            gate = activation(F.linear(args[0].float(), w["gate"], w["gate_bias"]))
-            return F.linear(gate * up, down, down_bias).to(output.dtype)
-
-        return hook
+        w = mlp_projections(tensors, family, layer)
+        down_bias = layer_name(layer, family.down + ".bias")
+        mlp = StemMLP(_linear(w["gate"], w["gate_bias"]),
+                      _linear(tensors.get(layer_name(layer, family.down + ".weight")),
+                              tensors.get(down_bias) if down_bias in tensors else None),
+                      ACT2FN[config.stem_activation], CalibratedRows(ids, calibrated.rows_for(layer, ids)), token_ids)
+        return lambda module, args, output: mlp(args[0].float()).to(output.dtype)
 
     for layer in layers:
         hooks.append(model.base_model.layers[layer].mlp.register_forward_hook(stem_mlp(layer)))
     try:
         total = 0.0
         for window in windows:
-            current["ids"] = window
+            token_ids.start(window[None])
             logits = model(window[None], use_cache=False).logits[0, :-1].float()
             total += F.cross_entropy(logits, window[1:], reduction="sum").item()
     finally:
         for hook in hooks:
             hook.remove()
     return math.exp(total / windows[:, 1:].numel())
+
+
+class CalibratedRows:
+    """A STEM MLP's row source for scoring: calibrated rows of the sorted ids `ids`."""
+
+    def __init__(self, ids: torch.Tensor, rows: torch.Tensor):
+        self.ids, self.rows = ids, rows.float()  # [n], [n, d_ff]
+
+    def __call__(self, forward, device, dtype) -> torch.Tensor:
+        return self.rows[torch.searchsorted(self.ids, forward.ids)].to(device, dtype)  # [batch, seq, d_ff]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear over existing fp32 copies of `weight` [out, in] and `bias`."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.float(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.float(), requires_grad=False)
+    return layer

@@ -28,7 +28,7 @@ def calib_text(tmp_path, words=(0, 40), n=600, seed=0):
 def convert(src, out, *args):
     result = run_cli("convert", src, out, "--quiet", "--dtype", "float32", *args)
     assert result.exit_code == 0, result.output
-    return AutoModelForCausalLM.from_pretrained(out).eval()
+    return AutoModelForCausalLM.from_pretrained(out, stem_tables="memory").eval()
 
 
 @pytest.fixture

@@ -92,7 +92,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(ids):
 def test_save_then_load_is_exact(tmp_path, ids):
     model = tiny_stem("qwen3")
     model.save_pretrained(tmp_path / "m")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", stem_tables="memory").eval()
     assert type(loaded) is type(model)
     for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2
@@ -127,7 +127,7 @@ def test_loads_with_trust_remote_code_where_stem_upcycle_cannot_be_imported(tmp_
     model = tiny_stem()
     model.config.auto_map = stem_config.__globals__["AUTO_MAP"]
     model.save_pretrained(tmp_path / "m")
-    for name in ("configuration_stem.py", "modeling_stem.py"):
+    for name in stem_upcycle.convert.MODELING_FILES:
         (tmp_path / "m" / name).write_text((stem_upcycle.convert.MODELING_DIR / name).read_text())
     with torch.no_grad():
         expected = model(ids).logits

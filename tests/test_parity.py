@@ -18,7 +18,7 @@ from .conftest import FAMILY_CONFIGS
 def _convert(path, out, layers, **kwargs):
     plan = plan_conversion(open_source(str(path)), layers=layers, **kwargs)
     run_conversion(plan, out, progress=False)
-    return AutoModelForCausalLM.from_pretrained(out, dtype="auto").eval()
+    return AutoModelForCausalLM.from_pretrained(out, dtype="auto", stem_tables="memory").eval()
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))

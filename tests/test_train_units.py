@@ -93,7 +93,7 @@ def test_handoff_at_blend_zero_is_the_dense_model_exactly(dense_dir, tmp_path, i
     dense, path = dense_dir(model_type)
     source = open_source(str(path))
     run_conversion(plan_conversion(source, layers="all"), tmp_path / "stem", progress=False)
-    student = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", dtype=torch.float32).eval()
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", dtype=torch.float32, stem_tables="memory").eval()
     tables = attach_tables(student, torch.device("cpu"))
     set_handoff(student, dense)  # borrows the teacher's up-projections
     stem_mlp = base_model(student).layers[0].mlp

@@ -5,12 +5,18 @@ decoder layers computes ``down_proj(act(gate_proj(x)) * up_table[token_id])``: t
 replaced by a per-layer table with one row per vocabulary entry.
 
 One mechanism serves every family: ``StemForCausalLM(config)`` builds a subclass of the dense
-family's class (``StemLlamaForCausalLM``, ...) that differs in one place, the MLPs of the STEM
-layers. Everything else (attention, caches, logit soft-capping, weight tying, gradient
+family's class (``StemLlamaForCausalLM``, ...) that differs in the MLPs of the STEM layers and in
+where their tables are loaded. Everything else (attention, caches, logit soft-capping, weight tying, gradient
 checkpointing, generation) is the family's own code.
+
+Where the tables live (parameters, memory maps, host memory with a device row cache) is chosen at
+load time, `from_pretrained(..., stem_tables=...)`; see `stem_tables.py`.
 
 Exported next to the weights, so it imports only torch and transformers.
 """
+
+import copy
+import threading
 
 import torch
 from torch import nn
@@ -21,57 +27,91 @@ from transformers.models.auto import modeling_auto
 import transformers
 
 from .configuration_stem import StemConfig
+from .stem_tables import (PLACEMENTS, IdHandoff, PlacedTable, StemTablesError, check_ids, checkpoint_files,
+                          locate_tables, open_placement)
+
+HUB_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "subfolder")
 
 
-class TokenIds:
-    """The input ids of the current forward, shared by the STEM MLPs of one model.
+class MemoryTable(nn.Embedding):
+    """The `memory` placement of a table: an ordinary parameter (named `up_table.weight`), as training needs."""
 
-    Decoder layers hand only hidden states to their MLP; the ids are stashed here by a forward
-    pre-hook on the base model and read by each STEM MLP (also when gradient checkpointing
-    recomputes a layer during backward, which happens before the next forward replaces them).
-    """
-
-    def __init__(self):
-        self.ids = None
+    def forward(self, forward, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return super().forward(forward.on(self.weight.device)).to(device, dtype)  # [batch, seq, d_ff]
 
 
 class StemMLP(nn.Module):
-    """Gated MLP whose up-projection is a lookup: down(act(gate(x)) * up_table[ids])."""
+    """Gated MLP whose up-projection is a lookup: down(act(gate(x)) * up_table[ids]).
 
-    def __init__(self, config: StemConfig, token_ids: TokenIds):
+    The one STEM MLP of inference, training and layer scoring; what differs is `up_table`, the
+    source of the rows: a `MemoryTable`, a `PlacedTable` (rows memory-mapped or in host memory),
+    the trainer's offloaded table, or calibrated rows. Each is called as
+    `up_table(forward_ids, device, dtype) -> [batch, seq, d_ff]`.
+    """
+
+    def __init__(self, gate_proj: nn.Module, down_proj: nn.Module, act_fn, up_table, token_ids: IdHandoff):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.stem_mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.stem_mlp_bias)
-        self.up_table = nn.Embedding(config.vocab_size, config.intermediate_size)
-        self.act_fn = ACT2FN[config.stem_activation]
+        self.gate_proj, self.down_proj, self.act_fn = gate_proj, down_proj, act_fn
+        self.up_table = up_table
         self.token_ids = token_ids
 
+    @classmethod
+    def from_config(cls, config: StemConfig, up_table, token_ids: IdHandoff) -> "StemMLP":
+        bias = config.stem_mlp_bias
+        gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        down = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        return cls(gate, down, ACT2FN[config.stem_activation], up_table, token_ids)
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up_table(self.token_ids.current(x), x.device, x.dtype)  # [batch, seq, d_ff]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids = self.token_ids.ids  # [batch, seq]
-        if ids is None or ids.shape != x.shape[:-1]:
-            raise RuntimeError(
-                "STEM MLP called without matching input ids; call the model with input_ids so that "
-                "its STEM layers can look up their table rows"
-            )
-        up = self.up_table(ids).to(x.dtype)  # [batch, seq, d_ff]
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * up)  # [batch, seq, d]
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up(x))  # [batch, seq, d]
 
 
-def _stash_input_ids(module, args, kwargs):
-    """Forward pre-hook of the base model: check the ids and hand them to the STEM MLPs."""
+def _start_forward(module, args, kwargs):
+    """Forward pre-hook of the base model: check the ids, hand them to the STEM MLPs, let the
+    placement prepare the rows this forward needs."""
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         raise ValueError(
             "STEM layers look up table rows by token id: pass input_ids (inputs_embeds alone "
             "cannot be used with a STEM model)"
         )
-    vocab = module.config.vocab_size
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(
-            f"input_ids must lie in [0, {vocab - 1}] (the STEM tables have {vocab} rows); "
-            f"got values from {int(ids.min())} to {int(ids.max())}"
-        )
-    module.stem_token_ids.ids = ids
+    check_ids(ids, module.config.vocab_size)
+    forward = module.stem_token_ids.start(ids)
+    if module.stem_tables_placement is not None:
+        module.stem_tables_placement.begin(forward)
+
+
+def _end_forward(module, args, kwargs, output):
+    if module.stem_tables_placement is not None:
+        module.stem_tables_placement.end(module.stem_token_ids.current_of_thread())
+
+
+# The placement a `from_pretrained` in this thread is loading tables for, read by `post_init`.
+_loading = threading.local()
+
+
+def _open_tables(path, config: StemConfig, hub_kwargs: dict):
+    """The placement object of `config.stem_tables` for the checkpoint at `path` (None: memory)."""
+    requested = config.stem_tables or "auto"
+    if requested not in (*PLACEMENTS, "auto"):
+        raise StemTablesError(f"stem_tables={requested!r} is not a placement; use one of {', '.join(PLACEMENTS)}")
+    if requested == "memory" or not config.stem_layers:
+        return None
+    files = checkpoint_files(path, hub_kwargs)
+    if files is None:
+        if requested == "auto":  # e.g. a .bin checkpoint: nothing to map
+            return None
+        raise StemTablesError(f"stem_tables={requested!r} reads tables from safetensors files, and {path} has none; "
+                              f"load it with stem_tables='memory'")
+    names = {}
+    for layer in config.stem_layers:
+        suffix = f"layers.{layer}.mlp.up_table.weight"
+        names[layer] = next((n for n in files if n.endswith(suffix)), f"model.{suffix}")
+    tables = locate_tables(files, names, (config.vocab_size, config.intermediate_size))
+    return open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
 
 
 class _StemDispatch:
@@ -110,14 +150,21 @@ class _StemDispatch:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
-        if cls._is_dispatcher():
-            if not isinstance(config, StemConfig):
-                hub_keys = ("cache_dir", "local_files_only", "revision", "token", "subfolder")
-                config = StemConfig.from_pretrained(
-                    pretrained_model_name_or_path, **{k: kwargs[k] for k in hub_keys if k in kwargs}
-                )
-            cls = cls.family_class(config.dense_model_type)
-        return super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+        # Difference from the dense family: `stem_tables` (and `stem_cache_rows`) choose where the
+        # tables live; the placement opens (and checks) the table files before the dense weights load.
+        hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+        config = copy.deepcopy(config) if isinstance(config, StemConfig) else StemConfig.from_pretrained(
+            pretrained_model_name_or_path, **hub_kwargs)
+        for key in ("stem_tables", "stem_cache_rows"):
+            if key in kwargs:
+                setattr(config, key, kwargs.pop(key))
+        cls = cls.family_class(config.dense_model_type)
+        _loading.placement = _open_tables(pretrained_model_name_or_path, config, hub_kwargs)
+        try:
+            return super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
+                                                             **kwargs)
+        finally:
+            _loading.placement = None
 
     @classmethod
     def _from_config(cls, config, **kwargs):
@@ -125,13 +172,41 @@ class _StemDispatch:
 
     def post_init(self):
         # Difference from the dense family: before the usual post-init (weight init, tying), the
-        # MLPs of the STEM layers are replaced and the id hook is installed on the base model.
+        # MLPs of the STEM layers are replaced and the id hooks are installed on the base model.
         base = self.base_model
-        base.stem_token_ids = TokenIds()
+        base.stem_token_ids = IdHandoff()
+        placement = base.stem_tables_placement = getattr(_loading, "placement", None)
         for index in self.config.stem_layers:
-            base.layers[index].mlp = StemMLP(self.config, base.stem_token_ids)
-        base.register_forward_pre_hook(_stash_input_ids, with_kwargs=True)
+            if placement is None:
+                table = MemoryTable(self.config.vocab_size, self.config.intermediate_size)
+            else:
+                table = PlacedTable(placement, index)
+            base.layers[index].mlp = StemMLP.from_config(self.config, table, base.stem_token_ids)
+        if placement is not None:
+            placement.mlps = {i: base.layers[i].mlp for i in self.config.stem_layers}
+        base.register_forward_pre_hook(_start_forward, with_kwargs=True)
+        base.register_forward_hook(_end_forward, with_kwargs=True)
         super().post_init()
+        if placement is not None:  # the tables in the checkpoint are not this model's parameters
+            ignored = set(self._keys_to_ignore_on_load_unexpected or ())
+            self._keys_to_ignore_on_load_unexpected = ignored | {r"mlp\.up_table\.weight"}
+
+    @property
+    def stem_placement(self):
+        """The object holding the tables when they live outside the model (None: `memory`)."""
+        return self.base_model.stem_tables_placement
+
+    @property
+    def stem_tables(self) -> str:
+        """Where the tables live: "memory", "mmap" or "host"."""
+        return "memory" if self.stem_placement is None else self.stem_placement.name
+
+    def save_pretrained(self, *args, **kwargs):
+        # Difference from the dense family: placed tables are no parameters, so they would be left out.
+        if self.stem_placement is not None:
+            raise StemTablesError(f"this model's tables are placed with stem_tables={self.stem_tables!r} and are not "
+                                  f"in its state dict; load it with stem_tables='memory' to save it, or copy its files")
+        return super().save_pretrained(*args, **kwargs)
 
 
 class StemPreTrainedModel(_StemDispatch, PreTrainedModel):
@@ -152,4 +227,4 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
     _dense_mapping = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-__all__ = ["StemPreTrainedModel", "StemModel", "StemForCausalLM", "StemMLP"]
+__all__ = ["StemPreTrainedModel", "StemModel", "StemForCausalLM", "StemMLP", "StemTablesError"]

@@ -13,7 +13,6 @@ import re
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..families import family_for
 from ..init import mlp_projections
@@ -30,22 +29,24 @@ PARTS = {
 }
 
 
-class TrainingStemMLP(nn.Module):
+class TrainingStemMLP(StemMLP):
+    """The STEM MLP with its rows from an `OffloadedTable` and, during a hand-off, blended with the
+    dense up-projection."""
+
     def __init__(self, mlp: StemMLP, table: OffloadedTable):
-        super().__init__()
-        self.gate_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.down_proj, mlp.act_fn
-        self.token_ids = mlp.token_ids
-        self.table = table  # not a module: kept out of parameters, state dicts, DDP and FSDP
+        # The converted MLP's own gate and down projections; the table is not a module: kept out of
+        # parameters, state dicts, DDP and FSDP.
+        super().__init__(mlp.gate_proj, mlp.down_proj, mlp.act_fn, table, mlp.token_ids)
         # The frozen dense up-projection (weight [d_ff, d], bias), only during a hand-off: the
         # teacher's own tensors, borrowed uncopied and, like the table, no parameter of this model.
         self.dense_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.blend = 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = self.table.lookup(self.token_ids.ids).to(x.dtype)  # [batch, seq, d_ff]
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        up = super().up(x)  # [batch, seq, d_ff]
         if self.blend < 1.0:
             up = (1.0 - self.blend) * F.linear(x, *self.dense_up) + self.blend * up
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * up)  # [batch, seq, d]
+        return up
 
 
 def base_model(model):

@@ -38,6 +38,10 @@ class OffloadedTable:
         """[..., d_ff] rows for `ids`; every id must be among those of the last `gather`."""
         return self.rows[torch.searchsorted(self.ids, ids.contiguous())]
 
+    def __call__(self, forward, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The rows of a forward's ids, as a STEM MLP's `up_table` is called."""
+        return self.lookup(forward.on(self.device)).to(device, dtype)  # [batch, seq, d_ff]
+
     def write_back(self) -> None:
         self.weight[self.ids.cpu()] = self.rows.detach().to("cpu", self.weight.dtype)
 

@@ -106,7 +106,7 @@ class Trainer:
 
         from transformers import AutoModelForCausalLM
 
-        student = AutoModelForCausalLM.from_pretrained(self.init_dir, dtype=torch.float32)
+        student = AutoModelForCausalLM.from_pretrained(self.init_dir, dtype=torch.float32, stem_tables="memory")
         if student.config.model_type != "stem" and ("tables" in t.trainable or recipe.handoff.steps):
             # A dense init_from is allowed as a baseline: the dense model fine-tuned by the same recipe.
             raise TrainError(f"{self.init_dir} is not a STEM model, so it has no tables to train or hand off to; "

@@ -1,0 +1,188 @@
+"""Table placements (`stem_tables=`): every placement gives the logits of `memory`; errors are one line."""
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stem_upcycle.modeling import stem_tables
+from stem_upcycle.modeling.stem_tables import StemTablesError, check_ids
+
+from .conftest import VOCAB
+from .test_model import tiny_stem
+
+PLACEMENTS = ["mmap", "host"]
+
+
+@pytest.fixture
+def host_on_cpu(monkeypatch):
+    """The `host` placement's code, run with the CPU as its device (streams are then no-ops)."""
+    monkeypatch.setattr(stem_tables, "accelerator_available", lambda: True)
+
+
+@pytest.fixture
+def stem_dir(tmp_path):
+    model = tiny_stem("llama", layers=(0, 2))
+    model.save_pretrained(tmp_path / "m", max_shard_size="40KB")  # several shards
+    return tmp_path / "m"
+
+
+def load(path, placement, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(path, stem_tables=placement, **kwargs).eval()
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_placements_give_the_logits_of_memory(stem_dir, placement, host_on_cpu, ids):
+    memory, placed = load(stem_dir, "memory"), load(stem_dir, placement, stem_cache_rows=16)
+    assert placed.stem_tables == placement
+    assert not any("up_table" in n for n in placed.state_dict())  # no table became a parameter
+    with torch.no_grad():
+        torch.testing.assert_close(placed(ids).logits, memory(ids).logits, rtol=1e-6, atol=1e-6)
+        # left-padded batch, then cached greedy decoding
+        batch, mask = ids.clone(), torch.ones_like(ids)
+        batch[0, :4], mask[0, :4] = 0, 0
+        torch.testing.assert_close(placed(batch, attention_mask=mask).logits,
+                                   memory(batch, attention_mask=mask).logits, rtol=1e-6, atol=1e-6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    a, b = memory.generate(batch, **kwargs), placed.generate(batch, **kwargs)
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(torch.stack(b.scores), torch.stack(a.scores), rtol=1e-6, atol=1e-6)
+
+
+def test_host_cache_hits_misses_evictions_and_staging(stem_dir, host_on_cpu):
+    memory, host = load(stem_dir, "memory"), load(stem_dir, "host", stem_cache_rows=6)
+    cache = host.stem_placement
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for length in (5, 3, 4, 5, 2, 9, 1, 5):  # 9 distinct ids at most > 6 rows: staged, cache untouched
+            x = torch.randint(0, VOCAB, (1, length))
+            torch.testing.assert_close(host(x).logits, memory(x).logits, rtol=1e-6, atol=1e-6)
+        x = torch.tensor([[7, 7, 7]])
+        host(x), host(x)
+    assert cache.stats["hits"] >= 1 and cache.stats["misses"] >= 6 and cache.stats["staged"] >= 6
+    assert int((cache.owner >= 0).sum()) <= 6 and int(cache.leases.sum()) == 0  # every lease released
+    cached = cache.owner[cache.owner >= 0]
+    assert torch.equal(cache.slot_of[cached], (cache.owner >= 0).nonzero().flatten())  # map and owners agree
+
+
+def test_host_rows_that_change_are_not_served_stale(stem_dir, host_on_cpu, ids):
+    memory, host = load(stem_dir, "memory"), load(stem_dir, "host")
+    with torch.no_grad():
+        host(ids)  # every row of ids is now cached
+        new = torch.randn(3, memory.config.intermediate_size)
+        changed = ids[0, :3]
+        memory.model.layers[2].mlp.up_table.weight[changed] = new
+        host.stem_placement.set_rows(2, changed, new)
+        torch.testing.assert_close(host(ids).logits, memory(ids).logits, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["memory", *PLACEMENTS])
+def test_two_threads_in_flight_each_get_their_own_rows(stem_dir, placement, host_on_cpu):
+    """Both threads start a forward, then meet before the first STEM layer: a hand-off of ids shared
+    by the threads would give one of them the other's rows."""
+    model = load(stem_dir, placement, stem_cache_rows=12)
+    inputs = [torch.arange(0, 8)[None], torch.arange(40, 48)[None]]  # 8 + 8 distinct ids > 12 cached rows
+    with torch.no_grad():
+        expected = [model(x).logits for x in inputs]
+    meet = threading.Barrier(2, timeout=30)
+    def wait_for_the_other(module, args):
+        meet.wait()
+
+    hook = model.model.layers[0].register_forward_pre_hook(wait_for_the_other)
+    results = [None, None]
+
+    def run(i):
+        with torch.no_grad():
+            results[i] = model(inputs[i]).logits
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hook.remove()
+    for got, want in zip(results, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_mmap_follows_the_compute_dtype_and_never_casts_the_tables(stem_dir, ids):
+    memory = load(stem_dir, "memory", dtype=torch.bfloat16)
+    mapped = load(stem_dir, "mmap", dtype=torch.bfloat16)
+    assert mapped.stem_placement.tables[0].dtype == torch.float32  # as stored; rows are cast as gathered
+    with torch.no_grad():
+        torch.testing.assert_close(mapped(ids).logits, memory(ids).logits, rtol=0, atol=0)
+        mapped.to(torch.float32)
+        assert mapped.stem_placement.tables[0].dtype == torch.float32
+
+
+def test_mmap_model_trains_its_dense_parts_with_checkpointing(stem_dir, ids):
+    memory, mapped = load(stem_dir, "memory"), load(stem_dir, "mmap")
+    memory.model.layers[0].mlp.up_table.weight.requires_grad_(False)
+    memory.model.layers[2].mlp.up_table.weight.requires_grad_(False)
+    for m in (memory, mapped):
+        m.train()
+        m.gradient_checkpointing_enable()
+        m.config.use_cache = False
+        m(ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in memory.named_parameters() if p.grad is not None}
+    for name, p in mapped.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_id_check_never_reads_ids_back_from_a_device():
+    check_ids(torch.empty(4, dtype=torch.long, device="meta"), VOCAB)  # would raise if it read the values
+    with pytest.raises(ValueError, match="must lie in"):
+        check_ids(torch.tensor([VOCAB]), VOCAB)
+
+
+def one_line(err) -> str:
+    message = str(err.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def test_placement_errors_are_one_line(stem_dir, tmp_path, ids):
+    with pytest.raises(StemTablesError) as err:
+        load(stem_dir, "disk")
+    assert "use one of memory, mmap, host" in one_line(err)
+    with pytest.raises(StemTablesError) as err:
+        load(stem_dir, "host")
+    assert "has none; use stem_tables='mmap'" in one_line(err)
+    mapped = load(stem_dir, "mmap")
+    with pytest.raises(StemTablesError) as err:
+        mapped.model.layers[0].mlp.up_table.weight.requires_grad_()
+    assert "stem_tables='memory'" in one_line(err)
+    with pytest.raises(StemTablesError) as err:
+        mapped.save_pretrained(tmp_path / "copy")
+    assert "load it with stem_tables='memory' to save it" in one_line(err)
+    assert not (tmp_path / "copy").exists()
+    bin_dir = tmp_path / "bin"  # a checkpoint in PyTorch's pickle format: nothing to map
+    model = tiny_stem()
+    model.config.save_pretrained(bin_dir)
+    torch.save(model.state_dict(), bin_dir / "pytorch_model.bin")
+    with pytest.raises(StemTablesError) as err:
+        load(bin_dir, "mmap")
+    assert "has none; load it with stem_tables='memory'" in one_line(err)
+    assert load(bin_dir, None).stem_tables == "memory"  # the default falls back
+
+
+def test_missing_or_truncated_table_files_are_one_line_errors(stem_dir):
+    import json
+
+    index = json.loads((stem_dir / "model.safetensors.index.json").read_text())
+    shard = stem_dir / index["weight_map"]["model.layers.2.mlp.up_table.weight"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    with pytest.raises(StemTablesError) as err:
+        load(stem_dir, "mmap")
+    assert "is truncated" in one_line(err) and shard.name in one_line(err)
+    shard.write_bytes(b"\xff" * 8 + data[8:])
+    with pytest.raises(StemTablesError) as err:
+        load(stem_dir, "mmap")
+    assert "truncated or not a safetensors file" in one_line(err)
+    shard.unlink()
+    with pytest.raises(StemTablesError) as err:
+        load(stem_dir, "mmap")
+    assert "is missing" in one_line(err)
