@@ -116,7 +116,7 @@ def generated_calibration(source, tokens: int, calib_tokens: int, progress: bool
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_fail_cleanly
 def inspect(path, as_json):
-    """Family, layers, STEM layers, parameters, FFN FLOPs per token and size of a checkpoint."""
+    """Family, layers, STEM layers, parameters, FFN FLOPs per token, size, and memory under each table placement."""
     from .source import open_source
     from .summary import summarize
 
@@ -135,10 +135,12 @@ def inspect(path, as_json):
 @click.option("--facts", "facts_file", is_flag=False, flag_value="packaged", default=None, metavar="[FILE]",
               help="Also score factual recall: greedy completions of short factual prompts (the packaged set, or a "
                    "JSON-lines FILE of {prompt, answers}).")
+@click.option("--tables", type=click.Choice(["memory", "mmap", "host"]), default=None,
+              help="Where a STEM model's tables live (default: the checkpoint's choice, mmap for safetensors files).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def evaluate(model, specs, reference, window, max_tokens, facts_file, as_json, quiet):
+def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, as_json, quiet):
     """Perplexity of MODEL on held-out sets; with --reference, ratio, KL and top-1 agreement; with --facts, recall."""
     from tqdm.auto import tqdm
 
@@ -147,7 +149,7 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, as_json, q
     if not specs and not facts_file:
         raise click.UsageError("give held-out text with --data [NAME=]FILE, or --facts, or both")
     sets = ev.parse_sets(list(specs))
-    lm, source = ev.load_model(model)
+    lm, source = ev.load_model(model, stem_tables=tables)
     tokenizer = ev.load_tokenizer(source)
     ref = None
     if reference:

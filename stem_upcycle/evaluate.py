@@ -20,17 +20,24 @@ class EvalError(UserError):
     pass
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32):
-    """(model, source) for any SOURCE form `convert` accepts, STEM checkpoints included."""
+def load_model(spec: str, dtype: torch.dtype = torch.float32, stem_tables: str | None = None):
+    """(model, source) for any SOURCE form `convert` accepts, STEM checkpoints included; `stem_tables`
+    places a STEM model's tables (None: the checkpoint's default), and is ignored for a dense model."""
     source = open_source(spec)
-    return model_from_source(source, dtype), source
+    return model_from_source(source, dtype, stem_tables), source
 
 
-def model_from_source(source: Source, dtype: torch.dtype = torch.float32):
+def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_tables: str | None = None):
     from transformers import AutoModelForCausalLM
 
+    from .modeling.stem_tables import StemTablesError
+
     if source.directory is not None:
-        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype)
+        placement = {"stem_tables": stem_tables} if stem_tables and source.config.model_type == "stem" else {}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **placement)
+        except StemTablesError as err:
+            raise EvalError(f"{source.spec}: {err}") from None
     else:  # GGUF: the source already holds the dequantised weights
         model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
         missing, _ = model.load_state_dict({n: source.tensors.get(n) for n in source.tensors.names()}, strict=False)

@@ -4,6 +4,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from .families import EMBEDDING, STEM_TABLE, family_for, layer_name
+from .modeling.stem_tables import DEFAULT_CACHE_ROWS
 from .source import Source
 
 
@@ -21,6 +22,7 @@ class Summary:
     ffn_flops_per_token_dense: int  # every layer dense
     ffn_flops_per_token: int  # this checkpoint
     bytes_on_disk: int
+    placements: dict  # STEM only: placement -> {"device": bytes, "host": bytes} of weights, as stored
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -37,7 +39,32 @@ class Summary:
             ("FFN FLOPs/token", f"{self.ffn_flops_per_token / 1e6:,.1f} M vs {self.ffn_flops_per_token_dense / 1e6:,.1f} M dense ({ratio:.2f}x)"),
             ("on disk", f"{self.bytes_on_disk / 1e9:.2f} GB of weights"),
         ]
-        return "\n".join(f"{k:<16} {v}" for k, v in rows)
+        lines = [f"{k:<16} {v}" for k, v in rows]
+        if self.placements:
+            lines.append("memory by placement (weights as stored; activations and KV cache not included):")
+            for name, need in self.placements.items():
+                lines.append(f"  {name:<7} device {need['device'] / 1e9:6.2f} GB   host RAM {need['host'] / 1e9:6.2f} GB"
+                             f"   {PLACEMENT_NOTES[name]}")
+        return "\n".join(lines)
+
+
+PLACEMENT_NOTES = {
+    "memory": "(tables are parameters: all on the device, or all in RAM on a CPU)",
+    "mmap": "(tables stay in the files; a forward reads its tokens' rows, and the OS caches what it may)",
+    "host": f"(tables in page-locked RAM; the device holds the dense weights and {DEFAULT_CACHE_ROWS} cached rows)",
+}
+
+
+def placement_memory(dense_bytes: int, table_bytes: int, row_bytes: int) -> dict:
+    """Bytes each placement needs on the device and in host RAM; `row_bytes`: one token's rows, all layers.
+
+    mmap is a CPU placement: its "device" is host RAM too, so the dense weights count once, as host;
+    the rows a forward reads (a few MB) are left out."""
+    return {
+        "memory": {"device": dense_bytes + table_bytes, "host": 0},
+        "mmap": {"device": 0, "host": dense_bytes},
+        "host": {"device": dense_bytes + DEFAULT_CACHE_ROWS * row_bytes, "host": table_bytes},
+    }
 
 
 def summarize(source: Source) -> Summary:
@@ -56,6 +83,10 @@ def summarize(source: Source) -> Summary:
     layers = cfg.num_hidden_layers
     dense_flops = 2 * 3 * d * d_ff * layers  # gate, up, down: one multiply-add each per weight
     flops = dense_flops - 2 * d * d_ff * len(stem_layers)  # the up-projection became a lookup
+    tables = [layer_name(i, STEM_TABLE) for i in stem_layers if layer_name(i, STEM_TABLE) in tensors]
+    table_bytes = sum(tensors.nbytes(n) for n in tables)
+    dense_bytes = sum(tensors.nbytes(n) for n in tensors.names()) - table_bytes
+    row_bytes = sum(tensors.nbytes(n) // vocab for n in tables)
     return Summary(
         family=family_name,
         is_stem=is_stem,
@@ -69,4 +100,5 @@ def summarize(source: Source) -> Summary:
         ffn_flops_per_token_dense=dense_flops,
         ffn_flops_per_token=flops,
         bytes_on_disk=source.files_bytes,
+        placements=placement_memory(dense_bytes, table_bytes, row_bytes) if is_stem else {},
     )

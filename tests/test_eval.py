@@ -72,6 +72,12 @@ def test_stem_model_against_its_dense_reference(dense_dir, tmp_path):
     assert first_window_kl > 0  # the converted layer changes the distribution
     text = run_cli("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40, "--quiet").output
     assert "top-1 agreement" in text and "ratio" in text and "\ntext0 " in text
+    in_memory = only_set(run_cli("eval", out, "--data", text_file(tmp_path), "--window", 40, "--tables", "memory",
+                                 "--json", "--quiet").stdout)
+    assert in_memory["ppl"] == result["ppl"]  # the default, mmap, scores the same
+    failed = CliRunner().invoke(main, ["eval", str(out), "--data", str(text_file(tmp_path)), "--tables", "host"])
+    assert failed.exit_code == 1 and "this machine has none; use stem_tables='mmap'" in failed.output
+    assert "Traceback" not in failed.output and len(failed.output.strip().splitlines()) == 1
 
 
 def test_evaluate_refuses_text_shorter_than_a_window(dense_dir, tmp_path):

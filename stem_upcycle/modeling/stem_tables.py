@@ -1,8 +1,9 @@
 """Where a STEM model's tables live at inference, chosen at load time: `from_pretrained(..., stem_tables=...)`.
 
 - "memory": tables are ordinary parameters (`nn.Embedding`), as training needs them.
-- "mmap": tables stay read-only memory maps of the safetensors shards; each forward gathers the
-  rows of its ids, cast to the compute dtype as they are gathered. Nothing reads a whole table.
+- "mmap": tables stay in the safetensors shards (read-only; a memory map where a whole table is
+  wanted); each forward reads the rows of its distinct ids, cast to the compute dtype as they are
+  gathered. Nothing reads a whole table.
 - "host": for accelerators: tables in host memory (page-locked on CUDA), a row cache on the device
   shared by all STEM layers; a forward copies its missing rows for every layer in one pass, on a
   side stream, so the copy overlaps the layers before the first STEM layer.
@@ -30,12 +31,6 @@ from torch import nn
 
 PLACEMENTS = ("memory", "mmap", "host")
 DEFAULT_CACHE_ROWS = 2048  # the official STEM engine's LFU cache size
-# mmap: mapped pages of a table stay in the process's RSS until dropped. A fault maps not only the
-# row's pages but up to 64 KB around them (the kernel's fault-around, which MADV_RANDOM does not
-# turn off), so after this many bytes of gathered rows (counted at 64 KB per row), the mapped pages
-# are dropped (MADV_DONTNEED); the page cache keeps them, so the next gather is a minor fault.
-MMAP_RESIDENT_BYTES = 256 * 2**20
-FAULT_BYTES_PER_ROW = 64 * 2**10
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -230,44 +225,61 @@ class PlacedTable(nn.Module):
 
 
 class MmapTables:
-    """Tables as read-only memory maps of the checkpoint's shards."""
+    """Tables left in the checkpoint's files: each forward reads the rows of its distinct ids.
+
+    Rows are read with positioned reads (pread), not by touching a memory map: a fault on a mapped
+    file maps the whole page-cache folio around the row (up to 2 MB; measured 1.3 MB of RSS per
+    random SmolLM2 row on kernel 6.18, where MADV_RANDOM does not help), so a 512-token prefill
+    would map most of every table. A read copies the row alone: RSS grows by the rows gathered,
+    and repeated rows come from the page cache. The whole table is still available as a read-only
+    memory map (`table`), for code that wants to scan it.
+    """
 
     name = "mmap"
 
     def __init__(self, files: dict[int, TableFile]):
+        self.files = files
+        self._fds = {}
+        for table in files.values():
+            if table.path not in self._fds:
+                self._fds[table.path] = fd = os.open(table.path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
+                weakref.finalize(self, os.close, fd)
         self._maps = {}
-        self.tables = {}
-        for layer, table in files.items():
-            if table.path not in self._maps:
-                with open(table.path, "rb") as f:
-                    # A private mapping: writes (there should be none) never reach the file.
-                    self._maps[table.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                self._maps[table.path].madvise(mmap.MADV_RANDOM)  # no readahead: only touched rows
-            raw = torch.frombuffer(self._maps[table.path], dtype=torch.uint8, count=table.nbytes, offset=table.offset)
-            self.tables[layer] = raw.view(table.dtype).view(table.shape)  # [vocab, d_ff]
-        self._gathered = 0  # bytes counted since the mapped pages were last dropped
+
+    def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """[n, d_ff] rows of the ids `ids` [n], in the table's dtype, read from the file."""
+        table = self.files[layer]
+        row_bytes = table.nbytes // table.shape[0]
+        rows = torch.empty(ids.numel(), table.shape[1], dtype=table.dtype)
+        buffer = memoryview(rows.view(torch.uint8).numpy()).cast("B")
+        fd = self._fds[table.path]
+        for i, token in enumerate(ids.tolist()):
+            os.preadv(fd, [buffer[i * row_bytes:(i + 1) * row_bytes]], table.offset + token * row_bytes)
+        return rows
 
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        rows = F.embedding(forward.cpu, self.tables[layer]).to(dtype)  # [batch, seq, d_ff]
-        self._gathered += forward.ids.numel() * FAULT_BYTES_PER_ROW
-        if self._gathered > MMAP_RESIDENT_BYTES:
-            self.drop_mapped_pages()
-        return rows.to(device, non_blocking=True)
+        unique, inverse = forward.unique()
+        rows = self.read_rows(layer, unique).to(dtype)  # [n_distinct, d_ff]
+        return rows[inverse].to(device, non_blocking=True)  # [batch, seq, d_ff]
 
-    def drop_mapped_pages(self) -> None:
-        """Unmap the pages gathered so far (the page cache keeps them); RSS returns to the dense model's."""
-        self._gathered = 0
-        for mapping in self._maps.values():
-            mapping.madvise(mmap.MADV_DONTNEED)
+    @property
+    def tables(self) -> dict[int, torch.Tensor]:
+        """Per layer, the whole table [vocab, d_ff] as a read-only memory map of its file."""
+        views = {}
+        for layer, table in self.files.items():
+            if table.path not in self._maps:
+                with open(table.path, "rb") as f:  # a private mapping: a write never reaches the file
+                    self._maps[table.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            raw = torch.frombuffer(self._maps[table.path], dtype=torch.uint8, count=table.nbytes, offset=table.offset)
+            views[layer] = raw.view(table.dtype).view(table.shape)
+        return views
 
     def begin(self, forward: ForwardIds) -> None:
         pass
 
     def end(self, forward: ForwardIds) -> None:
         pass
-
-    def memory(self) -> dict:
-        return {"host_bytes_mapped": sum(t.numel() * t.element_size() for t in self.tables.values())}
 
 
 def accelerator_available() -> bool:
@@ -423,9 +435,6 @@ class HostTables:
         if forward is not None and forward.plan is not None and "leased" in forward.plan:
             self.leases[forward.plan.pop("leased")] -= 1
 
-    def memory(self) -> dict:
-        return {"host_bytes": sum(t.numel() * t.element_size() for t in self.tables.values()),
-                "device_cache_bytes": sum(c.numel() * c.element_size() for c in self.cache.values())}
 
 
 def _read_into_host_memory(table: TableFile) -> torch.Tensor:
