@@ -3,6 +3,7 @@
     python benchmarks/inference.py                          # SmolLM2-135M and a Llama-3.2-1B-shaped model
     python benchmarks/inference.py --models smollm2 --quick # SmolLM2 only, fewer settings
     python benchmarks/inference.py --packed                 # host gathers: per-layer tables vs one packed table
+    python benchmarks/inference.py --profile                # where a decode step's time goes
 
 Models (made once under --work): the dense parent; STEM with a third of its layers and with all
 layers (closed-form tables: values do not change speed). SmolLM2-135M-Instruct is the real model
@@ -225,12 +226,41 @@ def packed_gather(shape_rows: int = 32768, d_ff: int = 8192, layers: int = 5, dt
     return "\n".join(lines)
 
 
+@torch.no_grad()
+def profile_decode(paths: dict[str, Path], dtype: torch.dtype, steps: int = 32) -> str:
+    """Where a decode step's time goes, dense against STEM with every layer converted (mmap):
+    torch.profiler's operators, by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    import stem_upcycle  # noqa: F401
+
+    lines = []
+    for variant in ("dense", "stem-all"):
+        model = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=dtype).eval()
+        out = model(torch.arange(64)[None], use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                out = model(token, past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            step_ms = (time.perf_counter() - started) / steps * 1e3
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        op_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
+        lines.append(f"{variant}: {step_ms:.1f} ms per decode step (profiled), {op_ms:.1f} ms inside torch operators")
+        lines += [f"  {e.key:<28} {e.count // steps:>5} calls {e.self_cpu_time_total / 1e3 / steps:>7.2f} ms"
+                  for e in events[:8]]
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2,llama1b")
     parser.add_argument("--work", default=str(ROOT / "runs" / "inference-bench"), help="where the models are made")
     parser.add_argument("--quick", action="store_true", help="mmap and dense only, no cold runs")
     parser.add_argument("--packed", action="store_true", help="only the packed-layout gather measurement")
+    parser.add_argument("--profile", action="store_true", help="only profile a decode step, dense vs all layers STEM")
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.setting:
@@ -244,6 +274,12 @@ def main():
     work = Path(args.work)
     models = args.models.split(",")
     paths = {model: prepare(work, model) for model in ["smollm2", *[m for m in models if m != "smollm2"]]}
+    if args.profile:
+        print(machine())
+        for model in models:
+            for dtype in (torch.float32, torch.bfloat16):
+                print(f"{model}, {dtype}:\n{profile_decode(paths[model], dtype)}", flush=True)
+        return
     ids_file = work / "prompt.pt"
     torch.save(prompt_ids(work), ids_file)
     for model in models:

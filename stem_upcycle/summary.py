@@ -41,7 +41,8 @@ class Summary:
         ]
         lines = [f"{k:<16} {v}" for k, v in rows]
         if self.placements:
-            lines.append("memory by placement (weights as stored; activations and KV cache not included):")
+            lines.append("memory by placement (weights as stored, without activations and KV cache; the device is "
+                         "where the model runs, RAM on a CPU):")
             for name, need in self.placements.items():
                 lines.append(f"  {name:<7} device {need['device'] / 1e9:6.2f} GB   host RAM {need['host'] / 1e9:6.2f} GB"
                              f"   {PLACEMENT_NOTES[name]}")
@@ -49,20 +50,19 @@ class Summary:
 
 
 PLACEMENT_NOTES = {
-    "memory": "(tables are parameters: all on the device, or all in RAM on a CPU)",
+    "memory": "(tables are parameters, on the device with the rest)",
     "mmap": "(tables stay in the files; a forward reads its tokens' rows, and the OS caches what it may)",
     "host": f"(tables in page-locked RAM; the device holds the dense weights and {DEFAULT_CACHE_ROWS} cached rows)",
 }
 
 
 def placement_memory(dense_bytes: int, table_bytes: int, row_bytes: int) -> dict:
-    """Bytes each placement needs on the device and in host RAM; `row_bytes`: one token's rows, all layers.
-
-    mmap is a CPU placement: its "device" is host RAM too, so the dense weights count once, as host;
-    the rows a forward reads (a few MB) are left out."""
+    """Bytes each placement needs on the device where the model runs (RAM on a CPU) and in host RAM
+    besides; `row_bytes`: one token's rows, all layers. For mmap, the rows a forward reads (a few
+    MB) are left out, and the page cache is the OS's to size."""
     return {
         "memory": {"device": dense_bytes + table_bytes, "host": 0},
-        "mmap": {"device": 0, "host": dense_bytes},
+        "mmap": {"device": dense_bytes, "host": 0},
         "host": {"device": dense_bytes + DEFAULT_CACHE_ROWS * row_bytes, "host": table_bytes},
     }
 

@@ -261,6 +261,6 @@ def test_inspect_reports_parameters_and_ffn_flops(dense_dir, tmp_path):
     assert "STEM (2 of 3 layers)" in text and "0.78x" in text
     tables, dense_bytes = 2 * V * f * 4, (stem["params_total"] - 2 * V * f) * 4  # fp32
     assert stem["placements"]["memory"] == {"device": dense_bytes + tables, "host": 0}
-    assert stem["placements"]["mmap"] == {"device": 0, "host": dense_bytes}
+    assert stem["placements"]["mmap"] == {"device": dense_bytes, "host": 0}
     assert stem["placements"]["host"] == {"device": dense_bytes + 2048 * 2 * f * 4, "host": tables}
     assert "memory by placement" in text and "mmap" in text and dense["placements"] == {}

@@ -117,6 +117,26 @@ def test_mmap_follows_the_compute_dtype_and_never_casts_the_tables(stem_dir, ids
         assert mapped.stem_placement.tables[0].dtype == torch.float32
 
 
+def test_device_map_auto_leaves_placed_tables_where_they_are(stem_dir, ids):
+    memory, mapped = load(stem_dir, "memory"), load(stem_dir, "mmap", device_map="auto")
+    assert mapped.stem_tables == "mmap" and mapped.get_memory_footprint() < memory.get_memory_footprint()
+    with torch.no_grad():
+        torch.testing.assert_close(mapped(ids).logits, memory(ids).logits, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_layers_offloaded_by_accelerate_read_the_right_rows(stem_dir, tmp_path, placement, host_on_cpu, ids):
+    """accelerate keeps an offloaded layer's weights off its module (on the meta device) and brings
+    them in for its forward; the rows must follow the execution device, not the parameters."""
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    memory = load(stem_dir, "memory")
+    offloaded = load(stem_dir, placement, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert offloaded.model.layers[2].mlp.gate_proj.weight.device.type == "meta"
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, memory(ids).logits, rtol=1e-6, atol=1e-6)
+
+
 def test_mmap_model_trains_its_dense_parts_with_checkpointing(stem_dir, ids):
     memory, mapped = load(stem_dir, "memory"), load(stem_dir, "mmap")
     memory.model.layers[0].mlp.up_table.weight.requires_grad_(False)

@@ -27,8 +27,7 @@ from transformers.models.auto import modeling_auto
 import transformers
 
 from .configuration_stem import StemConfig
-from .stem_tables import (PLACEMENTS, IdHandoff, PlacedTable, StemTablesError, check_ids, checkpoint_files,
-                          locate_tables, open_placement)
+from .stem_tables import IdHandoff, PlacedTable, StemTablesError, check_ids, open_tables
 
 HUB_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "subfolder")
 
@@ -44,7 +43,7 @@ class StemMLP(nn.Module):
     """Gated MLP whose up-projection is a lookup: down(act(gate(x)) * up_table[ids]).
 
     The one STEM MLP of inference, training and layer scoring; what differs is `up_table`, the
-    source of the rows: a `MemoryTable`, a `PlacedTable` (rows memory-mapped or in host memory),
+    source of the rows: a `MemoryTable`, a `PlacedTable` (rows read from the checkpoint files or host memory),
     the trainer's offloaded table, or calibrated rows. Each is called as
     `up_table(forward_ids, device, dtype) -> [batch, seq, d_ff]`.
     """
@@ -93,27 +92,6 @@ def _end_forward(module, args, kwargs, output):
 _loading = threading.local()
 
 
-def _open_tables(path, config: StemConfig, hub_kwargs: dict):
-    """The placement object of `config.stem_tables` for the checkpoint at `path` (None: memory)."""
-    requested = config.stem_tables or "auto"
-    if requested not in (*PLACEMENTS, "auto"):
-        raise StemTablesError(f"stem_tables={requested!r} is not a placement; use one of {', '.join(PLACEMENTS)}")
-    if requested == "memory" or not config.stem_layers:
-        return None
-    files = checkpoint_files(path, hub_kwargs)
-    if files is None:
-        if requested == "auto":  # e.g. a .bin checkpoint: nothing to map
-            return None
-        raise StemTablesError(f"stem_tables={requested!r} reads tables from safetensors files, and {path} has none; "
-                              f"load it with stem_tables='memory'")
-    names = {}
-    for layer in config.stem_layers:
-        suffix = f"layers.{layer}.mlp.up_table.weight"
-        names[layer] = next((n for n in files if n.endswith(suffix)), f"model.{suffix}")
-    tables = locate_tables(files, names, (config.vocab_size, config.intermediate_size))
-    return open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
-
-
 class _StemDispatch:
     """Turns ``StemX(config)`` into an instance of a STEM subclass of the dense family's class.
 
@@ -159,7 +137,7 @@ class _StemDispatch:
             if key in kwargs:
                 setattr(config, key, kwargs.pop(key))
         cls = cls.family_class(config.dense_model_type)
-        _loading.placement = _open_tables(pretrained_model_name_or_path, config, hub_kwargs)
+        _loading.placement = open_tables(pretrained_model_name_or_path, config, hub_kwargs)
         try:
             return super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
                                                              **kwargs)

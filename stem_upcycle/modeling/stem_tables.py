@@ -358,12 +358,11 @@ class HostTables:
     def _follow_weights(self, mlps) -> None:
         """(Re)allocate the cache where the STEM MLPs' weights are, in their dtype (after `.to()`)."""
         for layer, mlp in mlps.items():
-            weight = mlp.gate_proj.weight
+            device, dtype = _home(mlp)
             cache = self.cache.get(layer)
-            if cache is None or cache.device != weight.device or cache.dtype != weight.dtype:
+            if cache is None or cache.device != device or cache.dtype != dtype:
                 self.invalidate()
-                self.cache[layer] = torch.empty(self.capacity, self.tables[layer].shape[1], device=weight.device,
-                                                dtype=weight.dtype)
+                self.cache[layer] = torch.empty(self.capacity, self.tables[layer].shape[1], device=device, dtype=dtype)
 
     def _admit(self, unique: torch.Tensor) -> torch.Tensor | None:
         """Slots for `unique` (sorted ids): cached ones where they are, missing ones in the slots of the
@@ -388,7 +387,7 @@ class HostTables:
         into new tensors. Returns (those tensors by layer, {device: event marking the copies' end})."""
         staged, events = {}, {}
         for layer, mlp in mlps.items():
-            device, dtype = mlp.gate_proj.weight.device, mlp.gate_proj.weight.dtype
+            device, dtype = _home(mlp)
             rows = self.tables[layer].index_select(0, ids)  # [n, d_ff] in host memory
             stream = self._side_stream(device)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -415,19 +414,20 @@ class HostTables:
 
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         plan = forward.plan
-        if device in plan["events"]:  # the copies on the side stream come first
-            torch.cuda.current_stream(device).wait_event(plan["events"][device])
-        index = plan["index"].to(device, non_blocking=True)  # [batch, seq]
-        bank = plan["staged"][layer] if "staged" in plan else self.cache[layer]
-        if device.type == "cuda" and "staged" in plan:
-            bank.record_stream(torch.cuda.current_stream(device))  # made on the side stream, read here
-        return bank[index].to(dtype)  # [batch, seq, d_ff]
+        bank = plan["staged"][layer] if "staged" in plan else self.cache[layer]  # [rows, d_ff]
+        if bank.device in plan["events"]:  # the copies on the side stream come first
+            torch.cuda.current_stream(bank.device).wait_event(plan["events"][bank.device])
+            if "staged" in plan:
+                bank.record_stream(torch.cuda.current_stream(bank.device))  # made on the side stream, read here
+        index = plan["index"].to(bank.device, non_blocking=True)  # [batch, seq]
+        # `device` differs from the bank's only for a layer offloaded by accelerate (weights kept on the CPU)
+        return bank[index].to(device, dtype, non_blocking=True)  # [batch, seq, d_ff]
 
     def end(self, forward: ForwardIds) -> None:
         with self._lock:
             self._release(forward)
             self._local.forward = None
-            devices = {mlp.gate_proj.weight.device for mlp in self.mlps.values()}
+            devices = {_home(mlp)[0] for mlp in self.mlps.values()}
             self._last_reads[threading.get_ident()] = {
                 d: torch.cuda.current_stream(d).record_event() for d in devices if d.type == "cuda"}
 
@@ -435,6 +435,13 @@ class HostTables:
         if forward is not None and forward.plan is not None and "leased" in forward.plan:
             self.leases[forward.plan.pop("leased")] -= 1
 
+
+
+def _home(mlp) -> tuple[torch.device, torch.dtype]:
+    """Where a STEM MLP's rows are cached, and in which dtype: those of its weights (the CPU where
+    accelerate keeps an offloaded layer's weights on the meta device)."""
+    weight = mlp.gate_proj.weight
+    return (torch.device("cpu") if weight.device.type == "meta" else weight.device), weight.dtype
 
 
 def _read_into_host_memory(table: TableFile) -> torch.Tensor:
@@ -457,6 +464,28 @@ def _read_into_host_memory(table: TableFile) -> torch.Tensor:
         if cudart.cudaHostRegister(tensor.data_ptr(), table.nbytes, 0) == 0:
             weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
     return tensor
+
+
+def open_tables(path, config, hub_kwargs: dict):
+    """The placement of `config.stem_tables` for the checkpoint at `path` (a directory or a hub id
+    already downloaded), its table files checked; None for `memory`."""
+    requested = config.stem_tables or "auto"
+    if requested not in (*PLACEMENTS, "auto"):
+        raise StemTablesError(f"stem_tables={requested!r} is not a placement; use one of {', '.join(PLACEMENTS)}")
+    if requested == "memory" or not config.stem_layers:
+        return None
+    files = checkpoint_files(path, hub_kwargs)
+    if files is None:
+        if requested == "auto":  # e.g. a .bin checkpoint: nothing to map
+            return None
+        raise StemTablesError(f"stem_tables={requested!r} reads tables from safetensors files, and {path} has none; "
+                              f"load it with stem_tables='memory'")
+    names = {}
+    for layer in config.stem_layers:
+        suffix = f"layers.{layer}.mlp.up_table.weight"
+        names[layer] = next((n for n in files if n.endswith(suffix)), f"model.{suffix}")
+    tables = locate_tables(files, names, (config.vocab_size, config.intermediate_size))
+    return open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
 
 
 def open_placement(name: str, files: dict[int, TableFile], cache_rows: int):
