@@ -4,6 +4,7 @@
     python benchmarks/inference.py --models smollm2 --quick # SmolLM2 only, fewer settings
     python benchmarks/inference.py --packed                 # host gathers: per-layer tables vs one packed table
     python benchmarks/inference.py --profile                # where a decode step's time goes
+    python benchmarks/inference.py --alternate              # decode ratios, models measured in turns
 
 Models (made once under --work): the dense parent; STEM with a third of its layers and with all
 layers (closed-form tables: values do not change speed). SmolLM2-135M-Instruct is the real model
@@ -183,7 +184,7 @@ def settings_for(model: str, quick: bool) -> list[tuple[str, str, str, bool]]:
 
 
 def report(model: str, results: list[tuple[tuple, dict]]) -> str:
-    dense = {s[2]: r for s, r in results if s[0] == "dense" and not s[3] and "error" not in r}
+    dense = {(s[2], s[3]): r for s, r in results if s[0] == "dense" and "error" not in r}
     lines = [f"{model}: {machine()}",
              f"{'model':<11} {'tables':<7} {'dtype':<9} {'cache':<5} {'load s':>6} {'RSS load':>8} {'peak RSS':>8} "
              f"{'vs dense':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs dense':>15}"]
@@ -192,14 +193,14 @@ def report(model: str, results: list[tuple[tuple, dict]]) -> str:
         if "error" in r:
             lines.append(f"{head} failed: {r['error']}")
             continue
-        ref = dense.get(dtype)
+        ref = dense.get((dtype, cold))
         extra = f"{(r['peak_mb'] - ref['peak_mb']) / 1024:+7.2f}G" if ref else " " * 8
         ratio = f"{r['decode_warm'] / ref['decode_warm']:.2f}x" if ref else ""
         lines.append(f"{head} {r['load_s']:>6.1f} {r['rss_after_load_mb'] / 1024:>7.2f}G {r['peak_mb'] / 1024:>7.2f}G "
                      f"{extra} {r['prefill_first']:>6.0f}/{r['prefill_warm']:<7.0f} "
                      f"{r['decode_first']:>5.1f}/{r['decode_warm']:<7.1f} {ratio:>15}")
     lines.append("prefill and decode: first run after loading / warm (best of two); peak RSS: load included; "
-                 "vs dense: peak RSS minus the dense parent's in the same dtype")
+                 "vs dense: peak RSS minus the dense parent's in the same dtype and cache state")
     return "\n".join(lines)
 
 
@@ -227,19 +228,55 @@ def packed_gather(shape_rows: int = 32768, d_ff: int = 8192, layers: int = 5, dt
 
 
 @torch.no_grad()
-def profile_decode(paths: dict[str, Path], dtype: torch.dtype, steps: int = 32) -> str:
-    """Where a decode step's time goes, dense against STEM with every layer converted (mmap):
-    torch.profiler's operators, by self CPU time."""
+def alternate_decode(paths: dict[str, Path], ids: torch.Tensor, dtype: torch.dtype, models: list[tuple[str, str]],
+                     rounds: int = 5) -> str:
+    """Decode tokens/s of several models loaded in one process, measured in turns (round after round),
+    so that the machine's drift (clock, other load) hits all alike: the ratios to compare speeds by.
+    `models`: (variant, placement) pairs; the first is the reference."""
+    from transformers import AutoModelForCausalLM
+
+    import stem_upcycle  # noqa: F401
+
+    loaded = {}
+    for variant, placement in models:
+        kwargs = {} if placement == "-" else {"stem_tables": placement}
+        loaded[(variant, placement)] = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=dtype, **kwargs).eval()
+    speeds = {key: [] for key in loaded}
+    for _ in range(rounds):
+        for key, model in loaded.items():
+            speeds[key].append(prefill_and_decode(model, ids)[1])
+    median = {key: sorted(v)[len(v) // 2] for key, v in speeds.items()}
+    first = next(iter(median.values()))
+    return "\n".join(f"  {variant:<11} {placement:<7} decode {median[(variant, placement)]:6.2f} tok/s (median of "
+                     f"{rounds}, spread {min(speeds[(variant, placement)]):.1f}-{max(speeds[(variant, placement)]):.1f})"
+                     f"  {median[(variant, placement)] / first:.3f}x" for variant, placement in loaded)
+
+
+@torch.no_grad()
+def profile_decode(paths: dict[str, Path], dtype: torch.dtype, steps: int = 64) -> str:
+    """Where a decode step's time goes: torch.profiler's operators by self CPU time, dense against
+    STEM with every layer converted; and the wall time spent in table lookups per step, `memory`
+    against `mmap` (timed by hooks around every STEM MLP's `up_table`: a noise-free measure of
+    what the placement costs a decode step, which whole-run tokens/s on this machine cannot give)."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
     import stem_upcycle  # noqa: F401
 
     lines = []
-    for variant in ("dense", "stem-all"):
-        model = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=dtype).eval()
+    for variant, placement in (("dense", "-"), ("stem-all", "memory"), ("stem-all", "mmap")):
+        kwargs = {} if placement == "-" else {"stem_tables": placement}
+        model = AutoModelForCausalLM.from_pretrained(paths[variant], dtype=dtype, **kwargs).eval()
+        lookup = [0.0]
+        started_at = {}
+        for layer in getattr(model.config, "stem_layers", []):
+            table = model.model.layers[layer].mlp.up_table
+            table.register_forward_pre_hook(lambda m, a: started_at.__setitem__(m, time.perf_counter()))
+            table.register_forward_hook(lambda m, a, o: lookup.__setitem__(0, lookup[0] + time.perf_counter()
+                                                                            - started_at[m]))
         out = model(torch.arange(64)[None], use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        lookup[0] = 0.0
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             started = time.perf_counter()
             for _ in range(steps):
@@ -248,9 +285,11 @@ def profile_decode(paths: dict[str, Path], dtype: torch.dtype, steps: int = 32) 
             step_ms = (time.perf_counter() - started) / steps * 1e3
         events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
         op_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
-        lines.append(f"{variant}: {step_ms:.1f} ms per decode step (profiled), {op_ms:.1f} ms inside torch operators")
-        lines += [f"  {e.key:<28} {e.count // steps:>5} calls {e.self_cpu_time_total / 1e3 / steps:>7.2f} ms"
-                  for e in events[:8]]
+        lines.append(f"{variant} {placement}: {step_ms:.1f} ms per decode step (profiled), {op_ms:.1f} ms of it in "
+                     f"torch operators, {lookup[0] / steps * 1e3:.2f} ms in table lookups")
+        if placement != "memory":
+            lines += [f"  {e.key:<28} {e.count // steps:>5} calls {e.self_cpu_time_total / 1e3 / steps:>7.2f} ms"
+                      for e in events[:8]]
     return "\n".join(lines)
 
 
@@ -261,6 +300,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="mmap and dense only, no cold runs")
     parser.add_argument("--packed", action="store_true", help="only the packed-layout gather measurement")
     parser.add_argument("--profile", action="store_true", help="only profile a decode step, dense vs all layers STEM")
+    parser.add_argument("--alternate", action="store_true",
+                        help="only decode speed of dense, memory and mmap loaded in one process, measured in turns")
+    parser.add_argument("--rounds", type=int, default=5, help="--alternate: turns per model")
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.setting:
@@ -274,6 +316,17 @@ def main():
     work = Path(args.work)
     models = args.models.split(",")
     paths = {model: prepare(work, model) for model in ["smollm2", *[m for m in models if m != "smollm2"]]}
+    if args.alternate:
+        print(machine())
+        ids = prompt_ids(work)
+        for model in models:
+            for dtype in (torch.float32, torch.bfloat16):
+                for variant in ("stem-third", "stem-all"):
+                    fits = model == "smollm2" or (variant == "stem-third" and dtype == torch.bfloat16)
+                    pairs = [("dense", "-"), *([(variant, "memory")] if fits else []), (variant, "mmap")]
+                    report_ = alternate_decode(paths[model], ids, dtype, pairs, args.rounds)
+                    print(f"{model} {variant} {dtype}:\n{report_}", flush=True)
+        return
     if args.profile:
         print(machine())
         for model in models:

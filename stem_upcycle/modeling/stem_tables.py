@@ -342,7 +342,7 @@ class HostTables:
             if slots is None:
                 self.stats["staged"] += unique.numel()
                 staged, events = self._copy(unique, mlps)
-                forward.plan = {"staged": staged, "index": inverse, "events": events}
+                forward.plan = {"staged": staged, "index": self._on_devices(inverse, mlps), "events": events}
                 return
             self.leases[slots] += 1
             missing = self.owner[slots] != unique
@@ -353,7 +353,15 @@ class HostTables:
             self.owner[slots[missing]] = unique[missing]
             self.slot_of[unique[missing]] = slots[missing]
             _, events = self._copy(unique[missing], mlps, slots[missing])
-            forward.plan = {"index": slots[inverse], "leased": slots, "events": events}
+            forward.plan = {"index": self._on_devices(slots[inverse], mlps), "leased": slots, "events": events}
+
+    @staticmethod
+    def _on_devices(index: torch.Tensor, mlps) -> dict[torch.device, torch.Tensor]:
+        """The forward's row index [batch, seq] on every device holding a cache, copied once per forward
+        from page-locked memory (a copy from pageable memory would stall the host, once per layer)."""
+        devices = {_home(mlp)[0] for mlp in mlps.values()}
+        pinned = index.pin_memory() if any(d.type == "cuda" for d in devices) else index
+        return {d: pinned.to(d, non_blocking=True) for d in devices}
 
     def _follow_weights(self, mlps) -> None:
         """(Re)allocate the cache where the STEM MLPs' weights are, in their dtype (after `.to()`)."""
@@ -419,7 +427,7 @@ class HostTables:
             torch.cuda.current_stream(bank.device).wait_event(plan["events"][bank.device])
             if "staged" in plan:
                 bank.record_stream(torch.cuda.current_stream(bank.device))  # made on the side stream, read here
-        index = plan["index"].to(bank.device, non_blocking=True)  # [batch, seq]
+        index = plan["index"][bank.device]  # [batch, seq]
         # `device` differs from the bank's only for a layer offloaded by accelerate (weights kept on the CPU)
         return bank[index].to(device, dtype, non_blocking=True)  # [batch, seq, d_ff]
 
