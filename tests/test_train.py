@@ -80,6 +80,25 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     assert (workspace / "stem" / "config.json").exists()  # a given init_from is never removed
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gradient_checkpointing_recomputes_the_layers_during_backward(workspace, checkpointing):
+    """Transformers checkpoints only in training mode: the trainer must put the model in it (and
+    evaluation back in eval mode), else `gradient_checkpointing: true` silently does nothing."""
+    recipe = load_recipe(None, _overrides(workspace, "train.steps=1", "train.trainable=[tables, gate_down]",
+                                          f"train.gradient_checkpointing={str(checkpointing).lower()}"))
+    trainer = Trainer(recipe, workspace / "out", progress=False)
+    calls = []
+    # A submodule's hook: Transformers checkpoints a layer's `forward`, inside its hooks, so the layer's
+    # own hooks see one call; the recomputation calls the attention again.
+    trainer.causal_lm.model.layers[1].self_attn.register_forward_hook(lambda *_: calls.append(1))
+    trainer.train_step(0)
+    micro_batches = 2  # batch_size 8 / micro_batch_size 4
+    assert len(calls) == micro_batches * (2 if checkpointing else 1)
+    assert trainer.causal_lm.training
+    trainer.evaluate()
+    assert trainer.causal_lm.training  # evaluation ran in eval mode and handed training mode back
+
+
 def test_resume_continues_exactly(workspace, monkeypatch):
     extra = ("train.steps=5", "train.checkpoint_every=2", "train.trainable=[tables, lora, norms]", "handoff.steps=3")
     Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "a", progress=False).run()

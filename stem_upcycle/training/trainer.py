@@ -121,6 +121,7 @@ class Trainer:
         self.trainable = select_trainable(student, t.trainable, recipe.lora)
         if t.gradient_checkpointing:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        student.train()  # from_pretrained returns eval mode, in which Transformers never checkpoints
         spec = HeadLoss.for_config(student.config, ce_weight=recipe.loss.ce_weight, kd_weight=recipe.loss.kd_weight,
                                    temperature=recipe.loss.temperature, chunk_tokens=recipe.loss.chunk_tokens)
         self.step_module = DistillStep(student, spec)
@@ -270,8 +271,13 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """{"eval": {set: {ppl, ref_ppl, ppl_ratio, kl, top1_agreement, tokens}}} on every held-out set."""
-        return {"eval": {name: self._evaluate_set(name, sequences) for name, sequences in self.heldout.items()}}
+        """{"eval": {set: {ppl, ref_ppl, ppl_ratio, kl, top1_agreement, tokens}}} on every held-out set,
+        in eval mode (no dropout), training mode restored after."""
+        self.causal_lm.eval()
+        try:
+            return {"eval": {name: self._evaluate_set(name, sequences) for name, sequences in self.heldout.items()}}
+        finally:
+            self.causal_lm.train()
 
     def _evaluate_set(self, name: str, sequences: torch.Tensor) -> dict:
         acc, t = self.accelerator, self.recipe.train
