@@ -151,6 +151,7 @@ def plan_conversion(
     """Decide every output tensor and shard without reading any weight."""
     dense = source.config
     family = family_for(dense.model_type)
+    _refuse_quantized(source)
     if init not in INITIALISERS:
         raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
     init_options = dict(init_options or {})
@@ -200,6 +201,27 @@ def plan_conversion(
         raise ConversionError(f"--max-shard-size {max_shard_size!r} is not a size such as 5GB or 500MB")
     shards = plan_shards(specs, max_bytes)
     return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config, init_options)
+
+
+# Tensors that only quantized checkpoints hold: per-block or per-channel scales, packed integer weights.
+QUANTIZATION_TENSORS = ("weight_scale", "weight_scale_inv", "input_scale", ".scales", ".qweight", ".qzeros", ".absmax")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _refuse_quantized(source: Source) -> None:
+    """A quantized checkpoint's weights are not the model's weights until their scales are applied; casting
+    them (and dropping the scales) would write a silently wrong model, so conversion refuses them."""
+    quantization = getattr(source.config, "quantization_config", None)
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None)) if quantization else None
+    tensors = source.tensors
+    scales = next((n for n in tensors.names() if n.endswith(QUANTIZATION_TENSORS)), None)
+    packed = next((n for n in tensors.names() if n.endswith(".weight") and tensors.dtype(n) not in FLOAT_DTYPES), None)
+    found = (f"quantization_config {method or quantization}" if quantization else
+             f"tensor {scales}" if scales else f"{packed} in {tensors.dtype(packed)}" if packed else None)
+    if found:
+        raise ConversionError(f"{source.spec} is a quantized checkpoint ({found}); stem-upcycle converts "
+                              f"unquantized weights: give the bf16/fp16/fp32 original")
 
 
 def _resolve_dtype(dtype: str, source: Source) -> torch.dtype:

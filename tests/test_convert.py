@@ -264,3 +264,30 @@ def test_inspect_reports_parameters_and_ffn_flops(dense_dir, tmp_path):
     assert stem["placements"]["mmap"] == {"device": dense_bytes, "host": 0}
     assert stem["placements"]["host"] == {"device": dense_bytes + 2048 * 2 * f * 4, "host": tables}
     assert "memory by placement" in text and "mmap" in text and dense["placements"] == {}
+
+
+def test_quantized_checkpoints_are_refused_not_cast(dense_dir, tmp_path):
+    """Casting FP8 weights and dropping their scales would write a silently wrong model."""
+    from safetensors.torch import load_file, save_file
+
+    _, src = dense_dir("llama")
+    weights = load_file(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    cases = {
+        "config": ({**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                   weights, "quantization_config fp8"),
+        "scales": (config, {**weights, "model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1)},
+                   "tensor model.layers.0.mlp.up_proj.weight_scale_inv"),
+        "float8": (config, {**weights, "model.layers.0.mlp.up_proj.weight":
+                            weights["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)},
+                   "model.layers.0.mlp.up_proj.weight in torch.float8_e4m3fn"),
+    }
+    for name, (cfg, tensors, found) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(cfg))
+        save_file(tensors, folder / "model.safetensors")
+        result = run_cli("convert", folder, tmp_path / f"out-{name}")
+        assert result.exit_code == 1 and f"is a quantized checkpoint ({found}" in result.output, result.output
+        assert "give the bf16/fp16/fp32 original" in result.output and "Traceback" not in result.output
+        assert not (tmp_path / f"out-{name}").exists()
