@@ -152,3 +152,32 @@ def test_loads_with_trust_remote_code_where_stem_upcycle_cannot_be_imported(tmp_
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK transformers_modules" in result.stdout
+
+
+def test_resizing_the_vocabulary_grows_the_tables_with_fitted_rows(tmp_path, ids):
+    """New tokens get rows from the ridge fit of rows on embeddings: exact where the table is linear in E."""
+    model = tiny_stem()
+    d_ff = model.config.intermediate_size
+    embedding = model.get_input_embeddings().weight.detach()
+    torch.manual_seed(5)
+    a, b = 50 * torch.randn(embedding.shape[1], d_ff), torch.randn(d_ff)  # E is ~N(0, 0.02): make E @ a count
+    with torch.no_grad():
+        for i in model.config.stem_layers:
+            model.model.layers[i].mlp.up_table.weight.copy_(embedding @ a + b)
+        before = model(ids).logits
+    model.resize_token_embeddings(VOCAB + 4, mean_resizing=False)
+    assert model.config.vocab_size == VOCAB + 4
+    new_embedding = model.get_input_embeddings().weight.detach()
+    for i in model.config.stem_layers:
+        table = model.model.layers[i].mlp.up_table.weight
+        assert table.shape == (VOCAB + 4, d_ff)
+        truth = new_embedding[VOCAB:] @ a + b
+        error = (table[VOCAB:] - truth).norm() / truth.norm()  # the ridge shrinks the fit a little
+        assert error < 0.05 and error < 0.1 * (table[:VOCAB].mean(0) - truth).norm() / truth.norm()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits[..., :VOCAB], before)  # old tokens: unchanged
+        assert model(torch.tensor([[VOCAB + 3, 1]])).logits.isfinite().all()  # new ids look up rows
+    model.save_pretrained(tmp_path / "m")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)

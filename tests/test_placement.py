@@ -175,6 +175,9 @@ def test_placement_errors_are_one_line(stem_dir, tmp_path, ids):
         mapped.model.layers[0].mlp.up_table.weight.requires_grad_()
     assert "stem_tables='memory'" in one_line(err)
     with pytest.raises(StemTablesError) as err:
+        mapped.resize_token_embeddings(VOCAB + 4)
+    assert "load the model with stem_tables='memory'" in one_line(err) and mapped.config.vocab_size == VOCAB
+    with pytest.raises(StemTablesError) as err:
         mapped.save_pretrained(tmp_path / "copy")
     assert "load it with stem_tables='memory' to save it" in one_line(err)
     assert not (tmp_path / "copy").exists()

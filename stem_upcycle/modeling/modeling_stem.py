@@ -39,6 +39,28 @@ class MemoryTable(nn.Embedding):
         return super().forward(forward.on(self.weight.device)).to(device, dtype)  # [batch, seq, d_ff]
 
 
+def _resized_table(table: MemoryTable, embedding: torch.Tensor, old: int, new: int) -> MemoryTable:
+    """`table` [old, d_ff] cut or grown to [new, d_ff]. A new row is a ridge fit of the rows on the
+    embedding rows (centred, so that the ridge acts on the embedding alone) of up to 8192 evenly
+    spaced old tokens, applied to the new token's embedding."""
+    resized = MemoryTable(new, table.weight.shape[1], device=table.weight.device, dtype=table.weight.dtype)
+    kept = min(old, new)
+    with torch.no_grad():
+        resized.weight[:kept] = table.weight[:kept]
+        if new > old:
+            sample = torch.linspace(0, old - 1, min(old, 8192), device=embedding.device).long()
+            x, y = embedding[sample].float(), table.weight[sample].float()  # [n, d], [n, d_ff]
+            x_mean, y_mean = x.mean(0), y.mean(0)
+            x, y = x - x_mean, y - y_mean
+            gram = x.T @ x
+            gram += 1e-3 * gram.diagonal().mean() * torch.eye(len(gram), device=gram.device)
+            fit = torch.linalg.solve(gram, x.T @ y)  # [d, d_ff]
+            added = (embedding[old:new].float() - x_mean) @ fit + y_mean
+            resized.weight[old:] = added.to(resized.weight.dtype)
+    resized.weight.requires_grad_(table.weight.requires_grad)
+    return resized
+
+
 class StemMLP(nn.Module):
     """Gated MLP whose up-projection is a lookup: down(act(gate(x)) * up_table[ids]).
 
@@ -178,6 +200,22 @@ class _StemDispatch:
     def stem_tables(self) -> str:
         """Where the tables live: "memory", "mmap" or "host"."""
         return "memory" if self.stem_placement is None else self.stem_placement.name
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        # Difference from the dense family: the tables grow (or shrink) with the embedding, so that
+        # added tokens (chat, domain) have rows. A new token's row comes, as for tokens the converter's
+        # calibration never saw, from a ridge fit of the table's rows on the embedding's.
+        if self.stem_placement is not None:  # checked first: nothing is resized then
+            raise StemTablesError(f"resizing the vocabulary rewrites the tables, and these are placed with "
+                                  f"stem_tables={self.stem_tables!r}; load the model with stem_tables='memory'")
+        old = self.get_input_embeddings().weight.shape[0]
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        new = embeddings.weight.shape[0]
+        if new != old and self.config.stem_layers:
+            for index in self.config.stem_layers:
+                mlp = self.base_model.layers[index].mlp
+                mlp.up_table = _resized_table(mlp.up_table, embeddings.weight.detach(), old, new)
+        return embeddings
 
     def save_pretrained(self, *args, **kwargs):
         # Difference from the dense family: placed tables are no parameters, so they would be left out.
