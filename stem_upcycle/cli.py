@@ -75,7 +75,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
     elif calib_generate:
         options.update(generated_calibration(src, calib_generate, calib_tokens, progress=not quiet))
     plan = plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
-                           init_options=options, progress=not quiet)
+                           init_options=options, progress=not quiet, dry_run=dry_run)
     click.echo(plan.describe())
     if dry_run:
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)

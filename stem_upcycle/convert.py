@@ -22,7 +22,7 @@ from .errors import UserError
 from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE, Family, family_for, layer_name
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS, parse_layers
-from .sensitivity import is_auto, select_layers
+from .sensitivity import auto_fraction, check_auto, is_auto, select_layers
 from .modeling import StemConfig
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards, staging_dir
 from .source import Source
@@ -77,6 +77,8 @@ class ConversionPlan:
     # For the calibrated inits: calib_data, calib_tokens, calib_seq_len, calib_generated (ids sampled from the
     # dense model), heldout_data (files whose coverage is reported), dense_model (the dense model, already loaded)
     init_options: dict
+    # For `--layers auto:` in a dry run: the spec; `layers` then stands for the chosen count (sizes only)
+    auto_spec: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -112,7 +114,9 @@ class ConversionPlan:
         lines = [
             f"source     {self.source.spec} ({cfg.dense_model_type}, {cfg.num_hidden_layers} layers, "
             f"vocab {cfg.vocab_size}, d {cfg.hidden_size}, d_ff {cfg.intermediate_size})",
-            f"stem       {len(self.layers)} of {cfg.num_hidden_layers} layers: {self.layers}",
+            f"stem       {len(self.layers)} of {cfg.num_hidden_layers} layers: "
+            + (f"chosen by the real run ({self.auto_spec}: every layer calibrated, then each converted alone "
+               f"and scored on calibration windows)" if self.auto_spec else f"{self.layers}"),
             f"init       {self.init}: {INITIALISERS[self.init].description}",
             f"tables     {len(tables)} x [{cfg.vocab_size}, {cfg.intermediate_size}] {_dtype_name(self.dtype)}"
             f" = {len(tables) * tables[0].nbytes / gb:.2f} GB ({tables[0].nbytes / gb:.2f} GB each)",
@@ -147,8 +151,10 @@ def plan_conversion(
     max_shard_size: str | int = "5GB",
     init_options: dict | None = None,
     progress: bool = False,
+    dry_run: bool = False,
 ) -> ConversionPlan:
-    """Decide every output tensor and shard without reading any weight."""
+    """Decide every output tensor and shard without reading any weight (`--layers auto:` reads them to
+    measure the layers, except in a dry run, which plans for as many layers without choosing them)."""
     dense = source.config
     family = family_for(dense.model_type)
     _refuse_quantized(source)
@@ -159,7 +165,11 @@ def plan_conversion(
                                                                    or init_options.get("calib_generated") is not None):
         raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text) "
                               f"or --calib-generate TOKENS (text sampled from the model itself)")
-    if is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
+    auto_spec = None
+    if is_auto(layers) and dry_run:  # sizes depend on the count alone: no calibration, no measurement
+        check_auto(layers, init)
+        auto_spec, stem_layers = layers, parse_layers(auto_fraction(layers), dense.num_hidden_layers)
+    elif is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
         provisional = stem_config(dense, family, [0], init, torch.float32, False)
         stem_layers, init_options["calibration"] = select_layers(layers, source, family, provisional, init, init_options,
                                                                  progress)
@@ -200,7 +210,8 @@ def plan_conversion(
     if not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ConversionError(f"--max-shard-size {max_shard_size!r} is not a size such as 5GB or 500MB")
     shards = plan_shards(specs, max_bytes)
-    return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config, init_options)
+    return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config, init_options,
+                          auto_spec)
 
 
 # Tensors that only quantized checkpoints hold: per-block or per-channel scales, packed integer weights.

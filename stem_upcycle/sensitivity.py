@@ -33,13 +33,21 @@ def is_auto(spec: str) -> bool:
     return AUTO.fullmatch(spec.strip().lower()) is not None
 
 
-def select_layers(spec: str, source, family: Family, config, init: str, options: dict, progress: bool = True):
-    """(layers, calibrated init covering every layer) for `auto:FRACTION`."""
-    fraction = AUTO.fullmatch(spec.strip().lower()).group(1)
-    count = len(parse_layers(fraction, config.num_hidden_layers))
+def auto_fraction(spec: str) -> str:
+    """"1/3" of "auto:1/3"."""
+    return AUTO.fullmatch(spec.strip().lower()).group(1)
+
+
+def check_auto(spec: str, init: str) -> None:
     if not getattr(INITIALISERS[init], "needs_data", False):
         raise LayerSpecError(f"--layers {spec} measures each layer with calibrated rows: use --init calib "
                              f"(or calib-mean) with --calib-data")
+
+
+def select_layers(spec: str, source, family: Family, config, init: str, options: dict, progress: bool = True):
+    """(layers, calibrated init covering every layer) for `auto:FRACTION`."""
+    count = len(parse_layers(auto_fraction(spec), config.num_hidden_layers))
+    check_auto(spec, init)
     model = options.get("dense_model") or model_from_source(source)
     every = list(range(config.num_hidden_layers))
     plan = SimpleNamespace(source=source, family=family, layers=every, config=config, init_options=options)

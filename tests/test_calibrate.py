@@ -125,3 +125,52 @@ def test_calibration_text_shorter_than_a_window_is_an_error(dense_with_tokenizer
     result = run_cli("convert", src, tmp_path / "out", "--init", "calib", "--calib-data", short, "--quiet")
     assert result.exit_code == 1 and "fewer than --calib-seq-len 512" in result.output
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_tokenizer, tmp_path, monkeypatch):
+    """`--layers auto:1/3` scores every layer alone with calibrated rows (a STEM MLP in a hook) and
+    converts the cheapest; the score of the chosen layer is the converted model's own perplexity."""
+    import math
+
+    import torch.nn.functional as F
+
+    import stem_upcycle.sensitivity as sensitivity
+
+    dense, src = dense_with_tokenizer()
+    text = calib_text(tmp_path)
+    costs = {}
+    measure = sensitivity.measure_costs
+    monkeypatch.setattr(sensitivity, "measure_costs", lambda *a: costs.update(measure(*a)) or dict(costs))
+    monkeypatch.setattr(sensitivity, "MEASURE_WINDOWS", 2)
+    flags = ("--init", "calib", "--calib-data", text, "--calib-seq-len", "64")
+    auto = convert(src, tmp_path / "auto", "--layers", "auto:1/3", *flags)
+    chosen = auto.config.stem_layers
+    assert len(chosen) == 1 and set(costs) == {0, 1, 2} and chosen[0] == min(costs, key=costs.get)
+    windows = calibrate_module.calibration_windows(
+        stem_upcycle.source.open_source(str(src)), {"calib_data": [str(text)], "calib_seq_len": 64,
+                                                    "calib_tokens": 131072})[:2]
+
+    def ppl(model):
+        with torch.no_grad():
+            nll = sum(F.cross_entropy(model(w[None]).logits[0, :-1], w[1:], reduction="sum").item() for w in windows)
+        return math.exp(nll / windows[:, 1:].numel())
+
+    assert math.isclose(costs[chosen[0]], ppl(auto) / ppl(dense), rel_tol=1e-4)
+
+
+def test_a_dry_run_with_auto_layers_computes_nothing(dense_with_tokenizer, tmp_path, monkeypatch):
+    import stem_upcycle.convert as convert_module
+
+    _, src = dense_with_tokenizer()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dry run measured the layers")
+
+    monkeypatch.setattr(convert_module, "select_layers", refuse)
+    result = run_cli("convert", src, tmp_path / "out", "--dry-run", "--layers", "auto:1/3", "--init", "calib",
+                     "--calib-data", calib_text(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "1 of 3 layers: chosen by the real run (auto:1/3" in result.output and "[96, 48]" in result.output
+    assert not (tmp_path / "out").exists()
+    refused = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dry-run", "--layers", "auto:1/3"])
+    assert refused.exit_code == 1 and "use --init calib" in refused.output
