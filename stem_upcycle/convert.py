@@ -175,7 +175,7 @@ def plan_conversion(
                                                                  progress)
     else:
         stem_layers = parse_layers(layers, dense.num_hidden_layers)
-    out_dtype = _resolve_dtype(dtype, source)
+    out_dtype = resolve_dtype(dtype, source)
     tensors = source.tensors
     if EMBEDDING not in tensors:
         raise ConversionError(f"{source.spec} has no {EMBEDDING}; is it a causal LM checkpoint?")
@@ -235,7 +235,7 @@ def _refuse_quantized(source: Source) -> None:
                               f"unquantized weights: give the bf16/fp16/fp32 original")
 
 
-def _resolve_dtype(dtype: str, source: Source) -> torch.dtype:
+def resolve_dtype(dtype: str, source: Source) -> torch.dtype:
     if dtype == "auto":  # what the checkpoint says it is, else what its embedding is stored in
         stored = getattr(source.config, "dtype", None) or getattr(source.config, "torch_dtype", None)
         if isinstance(stored, str):

@@ -99,6 +99,28 @@ def test_gradient_checkpointing_recomputes_the_layers_during_backward(workspace,
     assert trainer.causal_lm.training  # evaluation ran in eval mode and handed training mode back
 
 
+@pytest.mark.parametrize("export_dtype", ["auto", "float32"])
+def test_export_keeps_the_source_dtype_unless_told(workspace, export_dtype):
+    """The training copy is fp32; a bf16 source comes back bf16 (auto), not twice its size."""
+    from transformers import AutoModelForCausalLM
+
+    source = workspace / "dense16"
+    AutoModelForCausalLM.from_pretrained(workspace / "dense", dtype=torch.bfloat16).save_pretrained(source)
+    save_tiny_tokenizer(source)
+    overrides = [o for o in _overrides(workspace, "train.steps=1", f"model.export_dtype={export_dtype}",
+                                       f"model.source={source}", "model.layers=0,2")
+                 if not o.startswith("model.init_from") and o != f"model.source={workspace / 'dense'}"]
+    out = Trainer(load_recipe(None, overrides), workspace / "out", progress=False).run()
+    expected = torch.bfloat16 if export_dtype == "auto" else torch.float32
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {expected}
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(expected).removeprefix("torch.")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert loaded.dtype == expected and loaded.stem_tables == "mmap"
+    with pytest.raises(Exception, match="model.export_dtype 'int8' is unknown"):
+        load_recipe(None, [*overrides, "model.export_dtype=int8"])
+
+
 def test_resume_continues_exactly(workspace, monkeypatch):
     extra = ("train.steps=5", "train.checkpoint_every=2", "train.trainable=[tables, lora, norms]", "handoff.steps=3")
     Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "a", progress=False).run()

@@ -1,7 +1,7 @@
 """Write the trained model exactly as `convert` writes a STEM model.
 
-The tensor names, shapes, dtypes, order and shard layout are those of the converted starting point
-(no `W_up` in the STEM layers, LoRA merged); the side files (config, modeling code, tokenizer,
+The tensor names, shapes, order and shard layout are those of the converted starting point (no
+`W_up` in the STEM layers, LoRA merged), the dtype that of the source unless the recipe says; the side files (config, modeling code, tokenizer,
 generation config) are copied from it, and the model card gains a training section. Files are
 staged in a hidden directory and moved into OUTPUT only when all are written, config.json last.
 """
@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..convert import tensor_order_key
+from ..convert import resolve_dtype, tensor_order_key
 from ..families import STEM_TABLE, layer_name
 from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards, staging_dir
 from ..source import open_source
@@ -20,16 +20,21 @@ MAX_SHARD_BYTES = 5 * 10**9  # convert's default --max-shard-size
 
 
 def write_model(trainer, state: dict) -> Path:
-    """Write the trained model into trainer.output; `state`: the dense weights by name (tables come from trainer)."""
+    """Write the trained model into trainer.output; `state`: the dense weights by name (tables come from trainer).
+
+    Floating-point tensors are written in `model.export_dtype` (auto: the source checkpoint's dtype, so
+    that a bf16 model does not come back in the fp32 its training copy was converted to)."""
     out = trainer.output
     init = open_source(str(trainer.init_dir))
+    dtype = resolve_dtype(trainer.recipe.model.export_dtype, trainer.source)
     tables = {layer_name(i, STEM_TABLE): t.weight for i, t in trainer.tables.items()}
     specs = []
     for name in sorted(init.tensors.names(), key=tensor_order_key):
         value = tables.get(name, state.get(name))
         if value is None or tuple(value.shape) != init.tensors.shape(name):
             raise RuntimeError(f"the trained model has no tensor {name} shaped like the converted one")
-        specs.append(TensorSpec(name, init.tensors.shape(name), init.tensors.dtype(name)))
+        stored = init.tensors.dtype(name)
+        specs.append(TensorSpec(name, init.tensors.shape(name), dtype if stored.is_floating_point else stored))
     staging = staging_dir(out, ".export")
     try:
         writer = ShardWriter(staging, plan_shards(specs, MAX_SHARD_BYTES))
@@ -40,6 +45,7 @@ def write_model(trainer, state: dict) -> Path:
         for path in init.directory.iterdir():
             if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_NAME:
                 shutil.copyfile(path, staging / path.name)
+        _set_config_dtype(staging / "config.json", dtype)
         _add_training_card(staging / "README.md", trainer)
         names = sorted((p.name for p in staging.iterdir()), key=lambda n: n == "config.json")  # config last
         for name in names:
@@ -47,6 +53,15 @@ def write_model(trainer, state: dict) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _set_config_dtype(config: Path, dtype) -> None:
+    """The config names the weights' dtype (`dtype`, `torch_dtype` before Transformers 5): the exported one."""
+    fields = json.loads(config.read_text())
+    name = str(dtype).removeprefix("torch.")
+    for key in [k for k in ("dtype", "torch_dtype") if k in fields] or ["dtype"]:
+        fields[key] = name
+    config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def _add_training_card(card: Path, trainer) -> None:

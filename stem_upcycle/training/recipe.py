@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from ..convert import DTYPES
 from ..errors import UserError
 from ..generate import Sampling
 
@@ -28,6 +29,8 @@ class ModelSection:
     calib_tokens: int = 65536
     calib_seq_len: int = 512
     keep_init: bool = False  # keep the converted starting point in OUTPUT/init after export (to compare with it)
+    export_dtype: str = "auto"  # dtype of the exported model: auto (the source's, as `convert --dtype auto`),
+    # bfloat16, float32 or float16; training itself runs on an fp32 copy
 
 
 @dataclass
@@ -236,5 +239,7 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError("with no training text there is nothing to hold out: name held-out sets in data.eval")
     if bad := [name for name, files in recipe.data.eval.items() if not files]:
         raise RecipeError(f"data.eval set {bad[0]!r} names no file")
+    if recipe.model.export_dtype not in ("auto", *DTYPES):
+        raise RecipeError(f"model.export_dtype {recipe.model.export_dtype!r} is unknown; choose auto, {', '.join(DTYPES)}")
     if not recipe.model.source:
         raise RecipeError("model.source is empty; name the dense checkpoint (the teacher), e.g. smollm2-135m")
