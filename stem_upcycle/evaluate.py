@@ -50,7 +50,14 @@ def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_t
 def load_tokenizer(source: Source):
     from transformers import AutoTokenizer
 
+    from .convert import TOKENIZER_FILES
+
     path, kwargs = source.tokenizer_args
+    folder = Path(path)
+    # Some Transformers versions hand back a placeholder tokenizer for a folder without one.
+    if folder.is_dir() and not kwargs and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise EvalError(f"{source.spec} has no tokenizer that loads (no tokenizer files in {folder}); eval needs one "
+                        f"to read text")
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as err:  # any failure means the same to the user: there is no usable tokenizer

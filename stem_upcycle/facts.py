@@ -60,7 +60,7 @@ def load_facts(path: str | Path | None = None) -> list[Fact]:
 @torch.no_grad()
 def complete(model, tokenizer, prompt: str, new_tokens: int = NEW_TOKENS) -> str:
     """The greedy completion of `prompt`, decoded (one prompt at a time: no padding to get wrong)."""
-    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    inputs = tokenizer(prompt, return_tensors="pt", return_token_type_ids=False).to(model.device)
     out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -188,8 +188,10 @@ class _StemDispatch:
         base.register_forward_hook(_end_forward, with_kwargs=True)
         super().post_init()
         if placement is not None:  # the tables in the checkpoint are not this model's parameters
-            ignored = set(self._keys_to_ignore_on_load_unexpected or ())
-            self._keys_to_ignore_on_load_unexpected = ignored | {r"mlp\.up_table\.weight"}
+            ignored = self._keys_to_ignore_on_load_unexpected  # a set in recent Transformers, a list or None before
+            table = r"mlp\.up_table\.weight"
+            self._keys_to_ignore_on_load_unexpected = (ignored | {table} if isinstance(ignored, set)
+                                                        else [*(ignored or []), table])
 
     @property
     def stem_placement(self):
