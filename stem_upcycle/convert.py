@@ -158,6 +158,7 @@ def plan_conversion(
     dense = source.config
     family = family_for(dense.model_type)
     _refuse_quantized(source)
+    _check_mlp_tensors(source, family)
     if init not in INITIALISERS:
         raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
     init_options = dict(init_options or {})
@@ -177,8 +178,6 @@ def plan_conversion(
         stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = resolve_dtype(dtype, source)
     tensors = source.tensors
-    if EMBEDDING not in tensors:
-        raise ConversionError(f"{source.spec} has no {EMBEDDING}; is it a causal LM checkpoint?")
 
     specs, producers = [], {}
     d_ff = dense.intermediate_size
@@ -206,7 +205,11 @@ def plan_conversion(
         raise ConversionError(f"{source.spec} has no weights for layer {missing[0]}")
     has_bias = layer_name(stem_layers[0], STEM_GATE + ".bias") in producers
     config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias)
-    max_bytes = convert_file_size_to_int(max_shard_size)
+    try:
+        max_bytes = convert_file_size_to_int(max_shard_size)
+    except ValueError:
+        raise ConversionError(f"--max-shard-size {max_shard_size!r} does not parse; give a size such as 2GB or "
+                              f"500MB") from None
     if not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ConversionError(f"--max-shard-size {max_shard_size!r} is not a size such as 5GB or 500MB")
     shards = plan_shards(specs, max_bytes)
@@ -217,6 +220,29 @@ def plan_conversion(
 # Tensors that only quantized checkpoints hold: per-block or per-channel scales, packed integer weights.
 QUANTIZATION_TENSORS = ("weight_scale", "weight_scale_inv", "input_scale", ".scales", ".qweight", ".qzeros", ".absmax")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_mlp_tensors(source: Source, family: Family) -> None:
+    """Every layer's MLP weights and the embedding are there with the config's shapes: a missing or
+    misshapen tensor would otherwise surface as an error deep inside the init, or as a written model
+    that cannot load."""
+    cfg, tensors = source.config, source.tensors
+    d, d_ff = cfg.hidden_size, cfg.intermediate_size
+    expected = {EMBEDDING: (cfg.vocab_size, d)}
+    for layer in range(cfg.num_hidden_layers):
+        if family.fused_gate_up:
+            expected[layer_name(layer, family.fused_gate_up + ".weight")] = (2 * d_ff, d)
+        else:
+            expected[layer_name(layer, family.gate + ".weight")] = (d_ff, d)
+            expected[layer_name(layer, family.up + ".weight")] = (d_ff, d)
+        expected[layer_name(layer, family.down + ".weight")] = (d, d_ff)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ConversionError(f"{source.spec} lacks {name}, which every {cfg.model_type} checkpoint has; the "
+                                  f"checkpoint is incomplete: restore it from the original")
+        if tuple(tensors.shape(name)) != shape:
+            raise ConversionError(f"{source.spec}: {name} has shape {list(tensors.shape(name))}, its config says "
+                                  f"{list(shape)}; the weights and config.json do not belong together")
 
 
 def _refuse_quantized(source: Source) -> None:

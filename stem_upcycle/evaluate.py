@@ -35,9 +35,20 @@ def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_t
     if source.directory is not None:
         placement = {"stem_tables": stem_tables} if stem_tables and source.config.model_type == "stem" else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **placement)
+            model, loading = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, output_loading_info=True,
+                                                                  **placement)
         except StemTablesError as err:
             raise EvalError(f"{source.spec}: {err}") from None
+        except RuntimeError as err:  # Transformers' report of checkpoint tensors shaped unlike the config's
+            if "mismatch" not in str(err).lower() and "size" not in str(err).lower():
+                raise
+            raise EvalError(f"{source.spec} holds tensors shaped unlike its config.json says; the weights and the "
+                            f"config do not belong together") from None
+        # Transformers fills weights missing from a checkpoint with random values, with a warning only.
+        missing = [k for k in loading["missing_keys"] if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+        if missing:
+            raise EvalError(f"{source.spec} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                            else "") + "; the checkpoint is incomplete: restore it from the original")
     else:  # GGUF: the source already holds the dequantised weights
         model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
         missing, _ = model.load_state_dict({n: source.tensors.get(n) for n in source.tensors.names()}, strict=False)

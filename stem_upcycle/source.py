@@ -168,9 +168,16 @@ def _open_directory(path: Path, spec: str) -> Source:
         if len(ggufs) == 1:
             return _open_gguf(ggufs[0], spec)
         raise SourceError(f"{path} has no config.json; give a Hugging Face model directory or a .gguf file")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise SourceError(f"{path / 'config.json'} is not valid JSON ({err}); restore it from the original "
+                          f"checkpoint") from None
     config = AutoConfig.from_pretrained(path)
     files = _weight_files(path, "model.safetensors", "*.safetensors")
     if files:
+        for file in files:
+            _check_safetensors(file)
         store = SafetensorsStore(files)
     else:
         files = _weight_files(path, "pytorch_model.bin", "*.bin")
@@ -191,11 +198,31 @@ def _open_directory(path: Path, spec: str) -> Source:
 def _weight_files(path: Path, single: str, pattern: str) -> list[Path]:
     index = path / f"{single}.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in dict.fromkeys(weight_map.values())]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise SourceError(f"{index} is not a valid index (JSON with a weight_map); restore it from the original "
+                              f"checkpoint") from None
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise SourceError(f"{index.name} names {missing[0]}, which is not in {path}"
+                              f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}; the download is "
+                              f"incomplete: fetch the missing shards")
+        return files
     if (path / single).exists():
         return [path / single]
     return sorted(p for p in path.glob(pattern) if p.name not in ("training_args.bin",))
+
+
+def _check_safetensors(file: Path) -> None:
+    """A shard whose header does not parse or whose data it says is past its end: one line, not the
+    safetensors library's traceback (the header reader is the one the exported model uses)."""
+    from .modeling.stem_tables import StemTablesError, read_header
+
+    try:
+        read_header(str(file))
+    except StemTablesError as err:
+        raise SourceError(str(err)) from None
 
 
 def _load_bin_files(files: list[Path]) -> dict[str, torch.Tensor]:
