@@ -11,6 +11,7 @@ import os
 import queue
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -302,6 +303,10 @@ def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) 
     if source.directory is not None and out.resolve() == source.directory.resolve():
         raise ConversionError(f"{out} is the source checkpoint itself; write the STEM model elsewhere")
     parent = _existing_parent(out)
+    try:  # a read-only or virtual file system (/proc, /sys) reports no free space: say what it is instead
+        os.rmdir(tempfile.mkdtemp(prefix=".stem-upcycle-probe-", dir=parent))
+    except OSError as err:
+        raise ConversionError(f"cannot write to {parent} ({err.strerror}); choose an OUT on a writable disk") from None
     free = shutil.disk_usage(parent).free
     needed = needed_bytes + 64 * 2**20  # plus tokenizer, config and some slack
     if free < needed:

@@ -84,3 +84,4 @@ def test_bad_option_values_end_in_one_line(good, tmp_path):
     assert "--max-shard-size 'lots' does not parse" in one_line_error(
         ["convert", good, tmp_path / "out", "--max-shard-size", "lots"])
     assert not (tmp_path / "out").exists()
+    assert "cannot write to /proc" in one_line_error(["convert", good, "/proc/stem-out"])  # not "no disk space"
