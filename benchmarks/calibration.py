@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stem_upcycle.calibrate import CalibratedInit, fit_ridge  # noqa: E402
 from stem_upcycle.convert import stem_config  # noqa: E402
-from stem_upcycle.evaluate import load_tokenizer, model_from_source, read_token_ids  # noqa: E402
+from stem_upcycle.evaluate import read_token_ids  # noqa: E402
+from stem_upcycle.loading import load_tokenizer, model_from_source  # noqa: E402
 from stem_upcycle.families import family_for  # noqa: E402
 from stem_upcycle.init import mlp_projections  # noqa: E402
 from stem_upcycle.layers import parse_layers  # noqa: E402

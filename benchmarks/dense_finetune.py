@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stem_upcycle.evaluate import load_tokenizer, model_from_source  # noqa: E402
+from stem_upcycle.loading import load_tokenizer, model_from_source  # noqa: E402
 from stem_upcycle.source import open_source  # noqa: E402
 from stem_upcycle.training.recipe import load_recipe  # noqa: E402
 from stem_upcycle.training.trainer import Trainer  # noqa: E402

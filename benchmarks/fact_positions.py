@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stem_upcycle.evaluate import load_model, load_tokenizer  # noqa: E402
+from stem_upcycle.loading import load_model, load_tokenizer  # noqa: E402
 from stem_upcycle.facts import load_facts  # noqa: E402
 from stem_upcycle.source import open_source  # noqa: E402
 

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stem_upcycle.evaluate import load_model, load_tokenizer  # noqa: E402
+from stem_upcycle.loading import load_model, load_tokenizer  # noqa: E402
 from stem_upcycle.generate import Sampling, sample_batch  # noqa: E402
 
 

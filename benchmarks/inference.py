@@ -75,7 +75,7 @@ def prepare(work: Path, model: str) -> dict[str, Path]:
 def make_dense(model: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from stem_upcycle.evaluate import load_model, load_tokenizer
+    from stem_upcycle.loading import load_model, load_tokenizer
 
     if model == "smollm2":
         dense, source = load_model("smollm2-135m")

@@ -13,7 +13,8 @@ import torch
 
 from stem_upcycle import StemForCausalLM
 from stem_upcycle.convert import plan_conversion
-from stem_upcycle.evaluate import evaluate, load_tokenizer, model_from_source
+from stem_upcycle.evaluate import evaluate
+from stem_upcycle.loading import load_tokenizer, model_from_source
 from stem_upcycle.families import STEM_TABLE, layer_name
 from stem_upcycle.initialisers import INITIALISERS
 from stem_upcycle.source import open_source

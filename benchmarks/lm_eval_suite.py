@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local tasks and models only: nev
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stem_upcycle.evaluate import load_model, load_tokenizer  # noqa: E402
+from stem_upcycle.loading import load_model, load_tokenizer  # noqa: E402
 
 TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"
 SETS = ("plays", "novel", "proceedings", "docs")

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from transformers.activations import ACT2FN
 
 from .errors import UserError
-from .evaluate import load_tokenizer, model_from_source, read_token_ids
+from .evaluate import read_token_ids
+from .loading import load_tokenizer, model_from_source
 from .init import ClosedFormInit, RowsFn, mlp_projections
 
 CALIB_MEMORY_BYTES = 2 * 2**30  # accumulators held at once, all layers of a pass together

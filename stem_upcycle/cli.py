@@ -96,7 +96,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
 
 def generated_calibration(source, tokens: int, calib_tokens: int, progress: bool) -> dict:
     """init_options for calibrating on `tokens` tokens sampled from the source model (and that model, loaded once)."""
-    from .evaluate import load_tokenizer, model_from_source
+    from .loading import load_tokenizer, model_from_source
     from .generate import GeneratedText, Sampling, as_stream
 
     if tokens > calib_tokens:
@@ -145,15 +145,16 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, as
     from tqdm.auto import tqdm
 
     from . import evaluate as ev
+    from .loading import load_model, load_tokenizer
 
     if not specs and not facts_file:
         raise click.UsageError("give held-out text with --data [NAME=]FILE, or --facts, or both")
     sets = ev.parse_sets(list(specs))
-    lm, source = ev.load_model(model, stem_tables=tables)
-    tokenizer = ev.load_tokenizer(source)
+    lm, source = load_model(model, stem_tables=tables)
+    tokenizer = load_tokenizer(source)
     ref = None
     if reference:
-        ref, _ = ev.load_model(reference)
+        ref, _ = load_model(reference)
         ev.check_same_vocabulary(lm, ref, model, reference)
     results = {"model": model, "reference": reference, "window": window, "sets": {}}
     for name, files in sets.items():

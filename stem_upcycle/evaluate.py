@@ -13,66 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UserError
-from .source import Source, open_source
 
 
 class EvalError(UserError):
     pass
-
-
-def load_model(spec: str, dtype: torch.dtype = torch.float32, stem_tables: str | None = None):
-    """(model, source) for any SOURCE form `convert` accepts, STEM checkpoints included; `stem_tables`
-    places a STEM model's tables (None: the checkpoint's default), and is ignored for a dense model."""
-    source = open_source(spec)
-    return model_from_source(source, dtype, stem_tables), source
-
-
-def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_tables: str | None = None):
-    from transformers import AutoModelForCausalLM
-
-    from .modeling.stem_tables import StemTablesError
-
-    if source.directory is not None:
-        placement = {"stem_tables": stem_tables} if stem_tables and source.config.model_type == "stem" else {}
-        try:
-            model, loading = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, output_loading_info=True,
-                                                                  **placement)
-        except StemTablesError as err:
-            raise EvalError(f"{source.spec}: {err}") from None
-        except RuntimeError as err:  # Transformers' report of checkpoint tensors shaped unlike the config's
-            if "mismatch" not in str(err).lower() and "size" not in str(err).lower():
-                raise
-            raise EvalError(f"{source.spec} holds tensors shaped unlike its config.json says; the weights and the "
-                            f"config do not belong together") from None
-        # Transformers fills weights missing from a checkpoint with random values, with a warning only.
-        missing = [k for k in loading["missing_keys"] if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-        if missing:
-            raise EvalError(f"{source.spec} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
-                            else "") + "; the checkpoint is incomplete: restore it from the original")
-    else:  # GGUF: the source already holds the dequantised weights
-        model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
-        missing, _ = model.load_state_dict({n: source.tensors.get(n) for n in source.tensors.names()}, strict=False)
-        if set(missing) - {"lm_head.weight"}:
-            raise EvalError(f"{source.spec} lacks weights: {sorted(missing)[:3]}")
-        model.tie_weights()
-    return model.eval()
-
-
-def load_tokenizer(source: Source):
-    from transformers import AutoTokenizer
-
-    from .convert import TOKENIZER_FILES
-
-    path, kwargs = source.tokenizer_args
-    folder = Path(path)
-    # Some Transformers versions hand back a placeholder tokenizer for a folder without one.
-    if folder.is_dir() and not kwargs and not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise EvalError(f"{source.spec} has no tokenizer that loads (no tokenizer files in {folder}); eval needs one "
-                        f"to read text")
-    try:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
-    except Exception as err:  # any failure means the same to the user: there is no usable tokenizer
-        raise EvalError(f"{source.spec} has no tokenizer that loads; eval needs one to read text ({type(err).__name__})") from None
 
 
 def parse_sets(specs: list[str]) -> dict[str, list[str]]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .evaluate import model_from_source
+from .loading import model_from_source
 from .families import Family, layer_name
 from .init import mlp_projections
 from .initialisers import INITIALISERS

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 import stem_upcycle  # noqa: F401
 from stem_upcycle.cli import main
-from stem_upcycle.evaluate import evaluate, load_model
+from stem_upcycle.evaluate import evaluate
+from stem_upcycle.loading import load_model
 
 from .conftest import save_tiny_tokenizer
 

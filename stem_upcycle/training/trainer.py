@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..evaluate import load_tokenizer, model_from_source
+from ..loading import load_tokenizer, model_from_source
 from ..generate import GeneratedText, Sampling, as_stream
 from ..source import open_source
 from . import checkpoint, export
