@@ -26,7 +26,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 PLACEMENTS = ("memory", "mmap", "host")
