@@ -202,8 +202,6 @@ def plan_conversion(
             table = layer_name(layer, STEM_TABLE)
             specs.append(TensorSpec(table, (dense.vocab_size, d_ff), out_dtype))
             producers[table] = Table(layer)
-    if missing := [i for i in stem_layers if layer_name(i, STEM_TABLE) not in producers]:
-        raise ConversionError(f"{source.spec} has no weights for layer {missing[0]}")
     has_bias = layer_name(stem_layers[0], STEM_GATE + ".bias") in producers
     config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias)
     try:

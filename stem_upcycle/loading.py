@@ -37,17 +37,16 @@ def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_t
                 raise
             raise LoadError(f"{source.spec} holds tensors shaped unlike its config.json says; the weights and the "
                             f"config do not belong together") from None
-        # Transformers fills weights missing from a checkpoint with random values, with a warning only.
-        missing = [k for k in loading["missing_keys"] if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-        if missing:
-            raise LoadError(f"{source.spec} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
-                            else "") + "; the checkpoint is incomplete: restore it from the original")
+        missing = loading["missing_keys"]
     else:  # GGUF: the source already holds the dequantised weights
         model = AutoModelForCausalLM.from_config(source.config, dtype=dtype)
         missing, _ = model.load_state_dict({n: source.tensors.get(n) for n in source.tensors.names()}, strict=False)
-        if set(missing) - {"lm_head.weight"}:
-            raise LoadError(f"{source.spec} lacks weights: {sorted(missing)[:3]}")
         model.tie_weights()
+    # Transformers fills weights missing from a checkpoint with random values, with a warning only.
+    missing = sorted(k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings))
+    if missing:
+        raise LoadError(f"{source.spec} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                        else "") + "; the checkpoint is incomplete: restore it from the original")
     return model.eval()
 
 

@@ -213,7 +213,7 @@ class _StemDispatch:
         old = self.get_input_embeddings().weight.shape[0]
         embeddings = super().resize_token_embeddings(*args, **kwargs)
         new = embeddings.weight.shape[0]
-        if new != old and self.config.stem_layers:
+        if new != old:
             for index in self.config.stem_layers:
                 mlp = self.base_model.layers[index].mlp
                 mlp.up_table = _resized_table(mlp.up_table, embeddings.weight.detach(), old, new)

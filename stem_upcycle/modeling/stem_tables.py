@@ -215,10 +215,6 @@ class PlacedTable(nn.Module):
             f"parameter and cannot be trained or assigned; load the model with stem_tables='memory' for that"
         )
 
-    def table(self) -> torch.Tensor:
-        """The whole table [vocab, d_ff], read-only, where it lives (reading all of it pages it all in)."""
-        return self.placement.tables[self.layer]
-
     def extra_repr(self) -> str:
         return f"layer={self.layer}, stem_tables={self.placement.name!r}"
 
