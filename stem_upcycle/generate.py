@@ -106,10 +106,11 @@ def cache_key(source: Source, sampling: Sampling) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-def cache_root(cache_dir: str | Path | None = None) -> Path:
+def cache_root(cache_dir: str | Path | None = None, kind: str = "generated") -> Path:
+    """`cache_dir` if given, else $STEM_UPCYCLE_CACHE/KIND or ~/.cache/stem-upcycle/KIND."""
     if cache_dir:
         return Path(cache_dir)
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "stem-upcycle") / "generated"
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "stem-upcycle") / kind
 
 
 class GeneratedText:

@@ -23,6 +23,12 @@ FAMILY_CONFIGS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Tokenised text and generated text go to a cache of this test session, never the user's."""
+    monkeypatch.setenv("STEM_UPCYCLE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
 def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):
     """A random dense causal LM of the family, in fp32, with norm weights perturbed off 1."""
     fields = {**COMMON, **FAMILY_CONFIGS[model_type], **overrides}

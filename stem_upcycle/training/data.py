@@ -1,23 +1,19 @@
-"""Training data: text and JSON-lines files, tokenised, packed into fixed-length sequences.
+"""Training data: text and JSON-lines files, tokenised into a cached token stream, cut into sequences.
 
-Documents (a .txt file, or one record of a .jsonl file) are tokenised, joined with the EOS token
-between them and cut into sequences of `seq_len + 1` tokens (inputs and their next-token targets).
-The order is a permutation drawn from the recipe's seed, so step s reads the same sequences on
-every run, on any number of processes; that is what makes resume exact.
+Documents (a .txt file, or one record of a .jsonl file) are tokenised once into a file of ids on
+disk, joined with the EOS token between them (see tokens.py), and cut into sequences of
+`seq_len + 1` tokens (inputs and their next-token targets) read as each step needs them. The
+order is a permutation drawn from the recipe's seed, so step s reads the same sequences on every
+run, on any number of processes; that is what makes resume exact.
 """
 
 import glob
-import json
 from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..generate import as_stream
-
-
-class DataError(UserError):
-    pass
+from ..generate import as_stream, cache_root
+from .tokens import DataError, Sequences, tokenize_corpus
 
 
 def expand_files(patterns: list[str], what: str) -> list[Path]:
@@ -31,70 +27,28 @@ def expand_files(patterns: list[str], what: str) -> list[Path]:
     return files
 
 
-def read_documents(files: list[Path], text_field: str = "text") -> list[str]:
-    documents = []
-    for path in files:
-        if path.suffix == ".jsonl":
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    raise DataError(f"{path}:{number} is not valid JSON; a .jsonl file has one object per line") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise DataError(f"{path}:{number} has no string field {text_field!r}; set data.text_field")
-                documents.append(record[text_field])
-        else:
-            documents.append(path.read_text(encoding="utf-8", errors="replace"))
-    return documents
-
-
-def pack(documents: list[str], tokenizer, seq_len: int, max_tokens: int = 0) -> torch.Tensor:
-    """[n, seq_len + 1] token ids: documents joined with EOS, cut into equal sequences (the tail dropped)."""
-    eos = _eos(tokenizer)
-    stream = []
-    for text in documents:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
-        if max_tokens and len(stream) >= max_tokens:
-            break
-    return cut(torch.tensor(stream[:max_tokens] if max_tokens else stream, dtype=torch.long), seq_len)
-
-
-def pack_ids(sequences: torch.Tensor, tokenizer, seq_len: int) -> torch.Tensor:
-    """[n, seq_len + 1]: token sequences [m, length] (generated text) joined with EOS, cut as `pack` cuts."""
-    return cut(as_stream(sequences, _eos(tokenizer)), seq_len)
-
-
-def cut(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[n, seq_len + 1] from a 1-D stream of ids. Sequence i is stream[i*seq_len : (i+1)*seq_len + 1]:
-    consecutive sequences share one token, so that every token but the first is a target exactly once."""
-    n = (stream.numel() - 1) // seq_len
-    if n == 0:
-        raise DataError(f"the data has {stream.numel()} tokens, fewer than one sequence of {seq_len + 1}")
-    return stream[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len).contiguous()
-
-
-def _eos(tokenizer) -> int:
+def pack_ids(sequences: torch.Tensor, tokenizer, seq_len: int) -> Sequences:
+    """Token sequences [m, length] (generated text) joined with EOS, cut as the training text is cut."""
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no EOS token to put between documents")
-    return tokenizer.eos_token_id
+    return Sequences(as_stream(sequences, tokenizer.eos_token_id), seq_len)
 
 
 class Batches:
     """Which sequences each optimizer step reads: a seeded permutation, repeated epoch after epoch."""
 
-    def __init__(self, sequences: torch.Tensor, batch_size: int, seed: int, what: str = "the training data"):
-        if sequences.shape[0] < batch_size:
-            raise DataError(f"{what} makes {sequences.shape[0]} sequences, fewer than the {batch_size} a batch takes "
+    def __init__(self, sequences, batch_size: int, seed: int, what: str = "the training data"):
+        """`sequences`: a `Sequences` or a [n, seq_len + 1] tensor."""
+        if len(sequences) < batch_size:
+            raise DataError(f"{what} makes {len(sequences)} sequences, fewer than the {batch_size} a batch takes "
                             f"from it; add data or lower train.batch_size")
         self.sequences, self.batch_size, self.seed = sequences, batch_size, seed
-        self.per_epoch = sequences.shape[0] // batch_size
+        self.per_epoch = len(sequences) // batch_size
 
     def step(self, step: int) -> torch.Tensor:
         """[batch_size, seq_len + 1] for optimizer step `step` (0-based), the same on every run."""
         epoch, index = divmod(step, self.per_epoch)
-        order = torch.randperm(self.sequences.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
+        order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(self.seed + epoch))
         return self.sequences[order[index * self.batch_size : (index + 1) * self.batch_size]]
 
 
@@ -104,7 +58,7 @@ class MixedBatches:
     The generated share of a batch is fixed (`round(batch_size * share)`); each source has its own
     seeded order, so step s reads the same sequences on every run."""
 
-    def __init__(self, text: torch.Tensor | None, generated: torch.Tensor | None, batch_size: int, share: float,
+    def __init__(self, text: Sequences | None, generated: Sequences | None, batch_size: int, share: float,
                  seed: int):
         n_generated = round(batch_size * share) if generated is not None else 0
         self.parts = []  # (Batches, generated?)
@@ -131,22 +85,40 @@ def heldout_paths(recipe) -> list[Path]:
     return [f for files in eval_files(recipe).values() for f in files]
 
 
-def load_data(recipe, tokenizer) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """(training-text sequences or None, {held-out set: sequences}), sequences [n, seq_len + 1]."""
+def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: None
+              ) -> tuple[Sequences | None, dict[str, torch.Tensor]]:
+    """(training-text sequences or None, {held-out set: [n, seq_len + 1] ids}). Every process calls this: each
+    tokenises its share of what is not cached yet (`wait`: a barrier across them)."""
     d = recipe.data
     sets = eval_files(recipe)
     heldout = heldout_paths(recipe)
+    root = cache_root(d.cache_dir, "tokens")
+
+    def stream(files):
+        return tokenize_corpus(files, tokenizer, d.text_field, root, rank, world, wait)
+
     sequences = None
     if d.train:
         train_files = [f for f in expand_files(d.train, "data.train") if f not in heldout]  # held out: never trained on
         if not train_files:
             raise DataError("data.train names only held-out files; list training text that data.eval does not name")
-        sequences = pack(read_documents(train_files, d.text_field), tokenizer, d.seq_len, d.max_train_tokens)
+        sequences = Sequences(stream(train_files), d.seq_len, max_tokens=d.max_train_tokens)
+        if not len(sequences):
+            raise DataError(f"the training text has {len(sequences.stream)} tokens, fewer than one sequence of "
+                            f"data.seq_len + 1 = {d.seq_len + 1}")
+    per_set = max(1, d.eval_tokens // d.seq_len)
     if sets:
-        return sequences, {name: pack(read_documents(files, d.text_field), tokenizer, d.seq_len, d.eval_tokens + 1)
+        return sequences, {name: _heldout(Sequences(stream(files), d.seq_len, count=per_set), name)
                            for name, files in sets.items()}
-    count = max(1, round(sequences.shape[0] * d.heldout_fraction)) if d.heldout_fraction else 0
-    if count >= sequences.shape[0]:
+    count = max(1, round(len(sequences) * d.heldout_fraction)) if d.heldout_fraction else 0
+    if count >= len(sequences):
         raise DataError("data.heldout_fraction leaves no training sequence; lower it or give data.eval files")
-    sequences, tail = sequences[: sequences.shape[0] - count], sequences[sequences.shape[0] - count :]
-    return sequences, ({"heldout": tail[: max(1, d.eval_tokens // d.seq_len)]} if count else {})
+    sequences, tail = sequences.split(count)
+    return sequences, ({"heldout": Sequences(tail.stream, d.seq_len, tail.first, per_set).tensor()} if count else {})
+
+
+def _heldout(sequences: Sequences, name: str) -> torch.Tensor:
+    if not len(sequences):
+        raise DataError(f"held-out set {name!r} has {len(sequences.stream)} tokens, fewer than one sequence of "
+                        f"data.seq_len + 1; give it more text or lower data.seq_len")
+    return sequences.tensor()

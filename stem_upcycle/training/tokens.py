@@ -1,0 +1,237 @@
+"""Training text as token ids on disk: tokenised once, in parallel, then read a sequence at a time.
+
+A corpus (.txt files, each one document; .jsonl files, one document per record) is cut into
+pieces of about `PIECE_BYTES` at line breaks. Processes take the pieces in turns (piece i on
+process i % world); each encodes its pieces a batch at a time with the fast tokenizer, whose Rust
+thread pool encodes the pieces of a batch in parallel, and appends the ids to a part file of its
+own. The main process then joins the parts, in piece order, into one flat file of uint16 ids
+(uint32 for vocabularies over 65,536) with EOS after every document, and writes `meta.json` last:
+a cache folder is complete only once that exists. The folder's name is a digest of the files
+(path, size, modification time), the text field, the tokenizer's vocabulary and this format, so a
+later run, the dense baseline on the same data, and every process of this run read the same file.
+
+Reads go through `os.pread` of the sequences a step needs: nothing is mapped and no process ever
+holds the corpus, so a process's memory does not grow with it.
+
+Why not `datasets`: its text loader makes every line an example (or holds a whole file as one),
+and its packing recipes drop each map batch's remainder; what training needs is one exact token
+stream, which a flat file gives with less machinery.
+
+A .txt file larger than a piece is tokenised piece by piece, cut only after a line break that is
+followed by a non-space character, where byte-level BPE pre-tokenisers split anyway; tokenizers
+that prefix a space to every text (SentencePiece with `add_prefix_space`) may tokenise the first
+word of a piece differently, once per `PIECE_BYTES` of text.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+
+PIECE_BYTES = 1 << 18  # text per encode call: ~80k tokens, whose encodings take ~20 MB
+BATCH_PIECES = 2 * (os.cpu_count() or 1)  # pieces encoded at once, in parallel by the tokenizer's thread pool
+FORMAT = 1  # bump when the file layout or the piece rule changes: old caches are then ignored
+TXT_CUT = re.compile(rb"\n(?=[^\s])")  # a cut point: after a newline, before a non-space byte
+JSONL_CUT = re.compile(rb"\n")
+
+
+class DataError(UserError):
+    pass
+
+
+@dataclass(frozen=True)
+class Piece:
+    path: Path
+    start: int  # byte range [start, stop) of the file
+    stop: int
+    ends_document: bool  # EOS after each of its documents (a .txt file's last piece; every .jsonl piece)
+
+
+def plan_pieces(files: list[Path], piece_bytes: int = PIECE_BYTES) -> list[Piece]:
+    """The files' byte ranges of about `piece_bytes`, cut where tokenising the parts apart changes nothing."""
+    pieces = []
+    for path in files:
+        size = path.stat().st_size
+        cut = JSONL_CUT if path.suffix == ".jsonl" else TXT_CUT
+        start = 0
+        with path.open("rb") as f:
+            while start < size:
+                stop = _next_cut(f, cut, start + piece_bytes, size)
+                pieces.append(Piece(path, start, stop, path.suffix == ".jsonl" or stop == size))
+                start = stop
+    return pieces
+
+
+def _next_cut(f, cut: re.Pattern, at: int, size: int) -> int:
+    """The first cut point at or after byte `at` (the file's end if none)."""
+    while at < size:
+        f.seek(at)
+        window = f.read(1 << 16)
+        if match := cut.search(window[:-1] if at + len(window) < size else window):  # the look-ahead needs a byte
+            return at + match.end()
+        at += max(1, len(window) - 1)
+    return size
+
+
+def _documents(piece: Piece, text_field: str) -> list[str]:
+    with piece.path.open("rb") as f:
+        f.seek(piece.start)
+        data = f.read(piece.stop - piece.start)
+    if piece.path.suffix != ".jsonl":
+        return [data.decode("utf-8", errors="replace")]
+    documents = []
+    for number, line in enumerate(data.decode("utf-8", errors="replace").split("\n")):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            where = f"{piece.path}:{_line_number(piece, number)}"
+            if record is None:
+                raise DataError(f"{where} is not valid JSON; a .jsonl file has one object per line")
+            raise DataError(f"{where} has no string field {text_field!r}; set data.text_field")
+        documents.append(record[text_field])
+    return documents
+
+
+def _line_number(piece: Piece, line_in_piece: int) -> int:
+    with piece.path.open("rb") as f:
+        return f.read(piece.start).count(b"\n") + line_in_piece + 1
+
+
+def _encode(pieces: list[Piece], tokenizer, text_field: str, eos: int) -> list[np.ndarray]:
+    """Each piece's ids, EOS after each document; the pieces' documents encoded in one batch call."""
+    docs = [_documents(p, text_field) for p in pieces]
+    flat = [d for ds in docs for d in ds]
+    ids = tokenizer(flat, add_special_tokens=False, return_attention_mask=False)["input_ids"] if flat else []
+    out, at = [], 0
+    for piece, ds in zip(pieces, docs):
+        parts = []
+        for i in range(len(ds)):  # a .txt piece holds one document (or part of one), a .jsonl piece whole records
+            parts += [ids[at + i], [eos] if piece.ends_document else []]
+        at += len(ds)
+        out.append(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts else np.zeros(0, np.int64))
+    return out
+
+
+def cache_key(files: list[Path], tokenizer, text_field: str, piece_bytes: int) -> str:
+    identity = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    payload = json.dumps({"files": identity, "text_field": text_field, "vocab": vocab, "class": type(tokenizer).__name__,
+                          "eos": tokenizer.eos_token_id, "piece_bytes": piece_bytes, "format": FORMAT})
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+class TokenFile:
+    """A complete cache folder's flat token stream, read by `pread`."""
+
+    def __init__(self, folder: Path):
+        meta = json.loads((folder / "meta.json").read_text())
+        self.folder, self.tokens, self.dtype = folder, meta["tokens"], np.dtype(meta["dtype"])
+        self._fd = os.open(folder / "tokens.bin", os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def read(self, start: int, count: int) -> torch.Tensor:
+        """[count] int64 ids from token `start`."""
+        size = self.dtype.itemsize
+        data = os.pread(self._fd, count * size, start * size)
+        return torch.from_numpy(np.frombuffer(data, dtype=self.dtype).astype(np.int64))
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+
+def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, rank: int = 0, world: int = 1,
+                    wait=lambda: None, piece_bytes: int = PIECE_BYTES) -> TokenFile:
+    """The corpus's token stream, tokenised now (this process's share of the pieces) unless cached in `root`.
+
+    Every process of a run calls this with the same arguments; `wait` is a barrier across them."""
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no EOS token to put between documents")
+    folder = root / cache_key(files, tokenizer, text_field, piece_bytes)
+    staging = folder / f"parts-of-{world}"
+    done = (folder / "meta.json").exists()
+    if not done:  # each process encodes pieces rank, rank + world, ... into its own part file
+        staging.mkdir(parents=True, exist_ok=True)
+        pieces = plan_pieces(files, piece_bytes)
+        mine = list(range(rank, len(pieces), world))
+        counts = []
+        with (staging / f"part-{rank}.bin").open("wb") as part:
+            for at in range(0, len(mine), BATCH_PIECES):
+                batch = [pieces[i] for i in mine[at : at + BATCH_PIECES]]
+                for ids in _encode(batch, tokenizer, text_field, tokenizer.eos_token_id):
+                    part.write(ids.astype(_dtype(tokenizer)).tobytes())
+                    counts.append(int(ids.size))
+        (staging / f"part-{rank}.json").write_text(json.dumps(counts))
+    wait()
+    if not done and rank == 0:
+        _join(folder, staging, world, _dtype(tokenizer))
+    wait()
+    return TokenFile(folder)
+
+
+def _join(folder: Path, staging: Path, world: int, dtype: np.dtype) -> None:
+    """tokens.bin = the parts' pieces in piece order (piece i is the (i // world)-th of part i % world)."""
+    counts = [json.loads((staging / f"part-{r}.json").read_text()) for r in range(world)]
+    parts = [(staging / f"part-{r}.bin").open("rb") for r in range(world)]
+    total = sum(map(sum, counts))
+    partial = folder / f"tokens.bin.partial-{os.getpid()}"
+    with partial.open("wb") as out:
+        for i in range(sum(map(len, counts))):
+            r = i % world
+            out.write(parts[r].read(counts[r][i // world] * dtype.itemsize))
+    for f in parts:
+        f.close()
+    partial.rename(folder / "tokens.bin")
+    (folder / "meta.json").write_text(json.dumps({"tokens": total, "dtype": dtype.name, "format": FORMAT}) + "\n")
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _dtype(tokenizer) -> np.dtype:
+    return np.dtype(np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32)
+
+
+class Sequences:
+    """Sequences of `seq_len + 1` tokens cut from a token stream (a `TokenFile` or a 1-D tensor):
+    sequence i is stream[(first + i) * seq_len : (first + i + 1) * seq_len + 1], so consecutive
+    sequences share one token and every token but the first is a target exactly once."""
+
+    def __init__(self, stream, seq_len: int, first: int = 0, count: int | None = None, max_tokens: int = 0):
+        tokens = min(len(stream), max_tokens) if max_tokens else len(stream)
+        available = max(0, (tokens - 1) // seq_len - first)
+        self.stream, self.seq_len, self.first = stream, seq_len, first
+        self.count = available if count is None else min(count, available)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def split(self, tail: int) -> tuple["Sequences", "Sequences"]:
+        """(all but the last `tail` sequences, the last `tail`)."""
+        head = self.count - tail
+        return (Sequences(self.stream, self.seq_len, self.first, head),
+                Sequences(self.stream, self.seq_len, self.first + head, tail))
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        """[len(index), seq_len + 1] int64 ids of the sequences `index` (a 1-D tensor)."""
+        n = self.seq_len
+        starts = [(self.first + int(i)) * n for i in index]
+        if isinstance(self.stream, torch.Tensor):
+            return torch.stack([self.stream[s : s + n + 1] for s in starts]).long()
+        return torch.stack([self.stream.read(s, n + 1) for s in starts])
+
+    def tensor(self) -> torch.Tensor:
+        """[len(self), seq_len + 1]: every sequence, in order (for small sets: held-out text)."""
+        return self[torch.arange(self.count)] if self.count else torch.zeros(0, self.seq_len + 1, dtype=torch.long)

@@ -1,0 +1,117 @@
+"""The token cache: one exact token stream per corpus, tokenised once (in pieces, by several processes)."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from stem_upcycle.training.tokens import DataError, Sequences, plan_pieces, tokenize_corpus
+
+from .conftest import VOCAB, save_tiny_tokenizer
+
+EOS = VOCAB - 2
+
+
+def _words(n, seed, per_line=7):
+    g = np.random.default_rng(seed)
+    words = [f"w{i}" for i in g.integers(0, VOCAB - 2, n)]
+    return "\n".join(" ".join(words[i : i + per_line]) for i in range(0, n, per_line))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    tokenizer = save_tiny_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.jsonl").write_text('{"text": "w1 w2 w3"}\n\n{"text": "w4 w5"}\n')
+    (tmp_path / "b.txt").write_text("w6 w7 w8 w9")
+    (tmp_path / "big.txt").write_text(_words(3000, 0))
+    (tmp_path / "big.jsonl").write_text("".join(f'{{"text": "{_words(20, s, 20)}"}}\n' for s in range(150)))
+    return tmp_path, tokenizer
+
+
+def _expected(tmp_path, tokenizer, names):
+    """Every document tokenised whole, EOS after each: the stream the cache must hold."""
+    import json
+
+    stream = []
+    for name in names:
+        path = tmp_path / name
+        docs = ([json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+                if path.suffix == ".jsonl" else [path.read_text()])
+        for doc in docs:
+            stream += tokenizer(doc, add_special_tokens=False)["input_ids"] + [EOS]
+    return torch.tensor(stream)
+
+
+def test_stream_is_every_document_tokenised_whole_with_eos_between(corpus):
+    tmp_path, tokenizer = corpus
+    names = ["a.jsonl", "b.txt", "big.txt", "big.jsonl"]
+    files = [tmp_path / n for n in names]
+    pieces = plan_pieces(files, piece_bytes=1000)
+    assert len(pieces) > 20  # the big files are cut into many pieces, each starting a line
+    for p in pieces:
+        assert p.start == 0 or p.path.read_bytes()[p.start - 1 : p.start] == b"\n"
+    expected = _expected(tmp_path, tokenizer, names)
+    stream = tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", piece_bytes=1000)
+    assert stream.dtype == np.uint16 and len(stream) == expected.numel()
+    assert torch.equal(stream.read(0, len(stream)), expected)
+    assert torch.equal(stream.read(5, 3), expected[5:8])
+
+
+def test_processes_share_the_tokenising_and_the_cache_is_reused(corpus, monkeypatch):
+    tmp_path, tokenizer = corpus
+    files = [tmp_path / "big.txt", tmp_path / "big.jsonl"]
+    barrier = threading.Barrier(2)
+    results, calls = {}, []
+    original = type(tokenizer).__call__
+
+    def counting(self, texts, **kwargs):
+        calls.append(threading.current_thread().name)
+        return original(self, texts, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", counting)
+
+    def run(rank):
+        results[rank] = tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", rank, 2, barrier.wait,
+                                        piece_bytes=500)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = _expected(tmp_path, tokenizer, ["big.txt", "big.jsonl"])
+    assert {"rank0", "rank1"} <= set(calls)  # both processes encoded pieces
+    for rank in range(2):
+        assert torch.equal(results[rank].read(0, len(results[rank])), expected)
+    folder = results[0].folder
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]  # the parts are gone
+    calls.clear()
+    again = tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", piece_bytes=500)
+    assert calls == [] and again.folder == folder  # read back, not tokenised again
+    (tmp_path / "big.txt").write_text(_words(100, 1))  # a changed file is a new corpus
+    assert tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", piece_bytes=500).folder != folder
+
+
+def test_sequences_cut_the_stream_with_one_shared_token(corpus):
+    tmp_path, tokenizer = corpus
+    stream = tokenize_corpus([tmp_path / "a.jsonl", tmp_path / "b.txt"], tokenizer, "text", tmp_path / "cache")
+    seqs = Sequences(stream, seq_len=4)
+    assert seqs.tensor().tolist() == [[1, 2, 3, EOS, 4], [4, 5, EOS, 6, 7]]  # neighbours share one token
+    assert len(Sequences(stream, 4, max_tokens=8)) == 1
+    head, tail = seqs.split(1)
+    assert head.tensor().tolist() == [[1, 2, 3, EOS, 4]] and tail.tensor().tolist() == [[4, 5, EOS, 6, 7]]
+    in_memory = Sequences(stream.read(0, len(stream)), 4)
+    assert torch.equal(in_memory[torch.tensor([1, 0])], seqs[torch.tensor([1, 0])])
+
+
+def test_a_bad_record_names_its_line(corpus):
+    tmp_path, tokenizer = corpus
+    lines = [f'{{"text": "w{i}"}}' for i in range(300)]
+    lines[250] = '{"txt": "w1"}'
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:251 has no string field 'text'"):
+        tokenize_corpus([tmp_path / "bad.jsonl"], tokenizer, "text", tmp_path / "cache", piece_bytes=200)
+    (tmp_path / "bad.jsonl").write_text('{"text": "w1"}\nnot json\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2 is not valid JSON"):
+        tokenize_corpus([tmp_path / "bad.jsonl"], tokenizer, "text", tmp_path / "cache")
