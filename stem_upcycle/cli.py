@@ -137,26 +137,35 @@ def inspect(path, as_json):
                    "JSON-lines FILE of {prompt, answers}).")
 @click.option("--tables", type=click.Choice(["memory", "mmap", "host"]), default=None,
               help="Where a STEM model's tables live (default: the checkpoint's choice, mmap for safetensors files).")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the models run: auto (the GPU if there is one), cpu, cuda, cuda:N.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="Compute dtype of both models; auto: bfloat16 on GPUs that support it, else float32.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, as_json, quiet):
+def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, device, dtype, as_json, quiet):
     """Perplexity of MODEL on held-out sets; with --reference, ratio, KL and top-1 agreement; with --facts, recall."""
     from tqdm.auto import tqdm
 
     from . import evaluate as ev
-    from .loading import load_model, load_tokenizer
+    from .loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 
     if not specs and not facts_file:
         raise click.UsageError("give held-out text with --data [NAME=]FILE, or --facts, or both")
     sets = ev.parse_sets(list(specs))
-    lm, source = load_model(model, stem_tables=tables)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    lm, source = load_model(model, dtype, stem_tables=tables)
+    lm.to(device)
     tokenizer = load_tokenizer(source)
     ref = None
     if reference:
-        ref, _ = load_model(reference)
+        ref, _ = load_model(reference, dtype)
+        ref.to(device)
         ev.check_same_vocabulary(lm, ref, model, reference)
-    results = {"model": model, "reference": reference, "window": window, "sets": {}}
+    results = {"model": model, "reference": reference, "window": window, "device": str(device),
+               "dtype": str(dtype).removeprefix("torch."), "sets": {}}
     for name, files in sets.items():
         progress = None if quiet else (lambda it, n=name: tqdm(it, desc=f"eval {n}", unit="window", file=sys.stderr))
         ids = ev.read_token_ids(files, tokenizer, max_tokens)

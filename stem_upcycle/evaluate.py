@@ -48,13 +48,14 @@ def evaluate(model, ids: torch.Tensor, window: int = 512, reference=None, progre
     starts = range(0, ids.numel() - window + 1, window)
     with torch.no_grad():
         for start in starts if progress is None else progress(starts):
-            chunk = ids[start : start + window][None]  # [1, window]
+            chunk = ids[start : start + window][None].to(model.device)  # [1, window]
             targets = chunk[0, 1:]  # each position predicts the next token
             logp = F.log_softmax(model(chunk).logits[0, :-1].float(), -1)  # [window - 1, vocab]
             nll += F.nll_loss(logp, targets, reduction="sum").item()
             tokens += targets.numel()
             if reference is not None:
-                ref_logp = F.log_softmax(reference(chunk).logits[0, :-1].float(), -1)
+                ref_logits = reference(chunk.to(reference.device)).logits[0, :-1].to(logp.device)
+                ref_logp = F.log_softmax(ref_logits.float(), -1)
                 ref_nll += F.nll_loss(ref_logp, targets, reduction="sum").item()
                 kl += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
                 agree += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
@@ -79,7 +80,8 @@ def describe(results: dict, model_spec: str, reference_spec: str | None) -> str:
     """A table, one row per held-out set; factual recall below it when scored."""
     sets = results["sets"]
     window = results["window"]
-    lines = [f"{model_spec} (windows of {window} tokens)" + (f" against {reference_spec}" if reference_spec else "")]
+    where = f", {results['device']}, {results['dtype']}" if "device" in results else ""
+    lines = [f"{model_spec} (windows of {window} tokens{where})" + (f" against {reference_spec}" if reference_spec else "")]
     header = f"{'set':<16} {'tokens':>7} {'perplexity':>11}"
     if reference_spec:
         header += f" {'reference':>10} {'ratio':>7} {'KL(ref||model)':>15} {'top-1 agreement':>16}"

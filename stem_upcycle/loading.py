@@ -13,6 +13,34 @@ class LoadError(UserError):
     pass
 
 
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto`: the accelerator if there is one (CUDA, or whatever torch.accelerator reports), else the CPU."""
+    if device == "auto":
+        accelerator = getattr(torch, "accelerator", None)
+        current = accelerator.current_accelerator() if accelerator and accelerator.is_available() else None
+        return current or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise LoadError(f"--device {device!r} is not a device; give auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise LoadError(f"--device {device}: this machine has no CUDA GPU that torch can use; give --device cpu")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on an accelerator that supports it, fp32 otherwise. fp16 is refused on the CPU (where
+    torch computes it slowly and, for some operators, not at all)."""
+    if dtype == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    resolved = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if resolved == torch.float16 and device.type == "cpu":
+        raise LoadError("--dtype float16 on the CPU is not supported; use bfloat16 (on CPUs with native bf16) or "
+                        "float32")
+    return resolved
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, stem_tables: str | None = None):
     """(model, source) for any SOURCE form `convert` accepts, STEM checkpoints included; `stem_tables`
     places a STEM model's tables (None: the checkpoint's default), and is ignored for a dense model."""

@@ -142,3 +142,25 @@ def test_factual_recall_scores_greedy_completions(dense_dir, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "w1"}\n')
     failed = CliRunner().invoke(main, ["eval", str(src), "--facts", str(tmp_path / "bad.jsonl")])
     assert failed.exit_code == 1 and "bad.jsonl:1 is not a JSON object with a prompt" in failed.output
+
+
+def test_device_and_dtype_options(dense_dir, tmp_path):
+    """bf16 compute scores close to fp32 (the dtype reaches both models); impossible choices are one-line errors."""
+    _, src = dense_dir("llama")
+    save_tiny_tokenizer(src)
+    out = tmp_path / "stem"
+    assert run_cli("convert", src, out, "--layers", "1", "--quiet").exit_code == 0
+    args = ("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40, "--json", "--quiet")
+    fp32 = json.loads(run_cli(*args, "--device", "cpu").stdout)
+    bf16 = json.loads(run_cli(*args, "--device", "cpu", "--dtype", "bfloat16").stdout)
+    assert (fp32["device"], fp32["dtype"], bf16["dtype"]) == ("cpu", "float32", "bfloat16")
+    a, b = only_set(json.dumps(fp32)), only_set(json.dumps(bf16))
+    assert a["ppl"] != b["ppl"] and math.isclose(a["ppl"], b["ppl"], rel_tol=0.03)
+    assert math.isclose(a["ref_ppl"], b["ref_ppl"], rel_tol=0.03) and a["ref_ppl"] != b["ref_ppl"]
+    bad = [("--device", "cpu", "--dtype", "float16"), ("--device", "warp9")]
+    if not torch.cuda.is_available():
+        bad.append(("--device", "cuda"))
+    for options in bad:
+        failed = CliRunner().invoke(main, ["eval", str(out), "--data", str(text_file(tmp_path)), *options])
+        assert failed.exit_code == 1 and options[-1] in failed.output, failed.output
+        assert "Traceback" not in failed.output and len(failed.output.strip().splitlines()) == 1
