@@ -9,7 +9,9 @@ closed-form inputs norm_l(E[v]) of the tokens that were seen.
 
 Accumulators hold one row per distinct calibration token and layer; when they exceed the memory
 budget the layers are calibrated in groups, one pass over the corpus per group. The dense model
-itself is held in fp32 while it reads the corpus.
+reads the corpus where it is (a GPU if the caller put it there), in its dtype; the accumulators
+are fp32. Several processes can share the work (`init_options["shard"] = (rank, world, reduce)`):
+each reads every world-th window and the accumulators are summed across them by `reduce`.
 """
 
 import sys
@@ -99,6 +101,8 @@ class CalibratedInit(ClosedFormInit):
         activation = ACT2FN[plan.config.stem_activation]
         device = model.device  # accumulate where the model runs (the teacher may already sit on a GPU)
         compact = compact.to(device)
+        rank, world, reduce = plan.init_options.get("shard", (0, 1, None))
+        windows = windows[rank::world]  # this process's share of the text
         means = {}
         for first in range(0, len(plan.layers), group):
             layers = plan.layers[first : first + group]
@@ -127,6 +131,8 @@ class CalibratedInit(ClosedFormInit):
                 for hook in hooks:
                     hook.remove()
             for layer, (num, den) in sums.items():
+                if reduce is not None:  # the sums over every process's windows
+                    num, den = reduce(num), reduce(den)
                 means[layer] = (num / den.clamp_min(1e-12)).cpu()
         return means
 

@@ -174,3 +174,46 @@ def test_a_dry_run_with_auto_layers_computes_nothing(dense_with_tokenizer, tmp_p
     assert not (tmp_path / "out").exists()
     refused = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dry-run", "--layers", "auto:1/3"])
     assert refused.exit_code == 1 and "use --init calib" in refused.output
+
+
+def test_processes_sharing_the_windows_give_the_calibration_of_one(dense_with_tokenizer, tmp_path):
+    """Two processes (threads here), each reading every other window, their sums reduced: the means of one."""
+    import threading
+
+    from stem_upcycle.convert import plan_conversion
+    from stem_upcycle.source import open_source
+
+    _, src = dense_with_tokenizer()
+    options = {"calib_data": [str(calib_text(tmp_path, n=512))], "calib_seq_len": 32}
+
+    def calibrated(**extra):
+        plan = plan_conversion(open_source(str(src)), layers="0,2", init="calib", init_options={**options, **extra})
+        return calibrate_module.CalibratedInit(plan)
+
+    one = calibrated()
+    barrier, parts, results = threading.Barrier(2), {}, {}
+
+    def reduce_of(rank):
+        def reduce(t):  # an all-reduce (sum) between the two threads
+            parts[rank] = t.clone()
+            barrier.wait()
+            total = parts[0] + parts[1]
+            barrier.wait()
+            return total
+        return reduce
+
+    def run(rank):
+        results[rank] = calibrated(shard=(rank, 2, reduce_of(rank)))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert one.windows.shape[0] >= 4
+    for rank in range(2):
+        for layer in (0, 2):
+            torch.testing.assert_close(results[rank].means[layer], one.means[layer], rtol=1e-5, atol=1e-6)
+    # A process alone with half the windows would not: the reduction is what makes them equal.
+    half = calibrated(shard=(0, 2, None))
+    assert not torch.allclose(half.means[0], one.means[0], rtol=1e-3, atol=1e-4)

@@ -164,21 +164,24 @@ def test_train_cli_refuses_to_mix_runs(workspace):
     with pytest.MonkeyPatch.context() as env:  # launched as 2 processes, but not as a distributed run
         env.setenv("WORLD_SIZE", "2")
         result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "fresh"), *sets])
-    assert result.exit_code == 1 and "accelerate launch --cpu" in result.output and not (workspace / "fresh").exists()
+    assert result.exit_code == 1 and "ACCELERATE_USE_CPU=1" in result.output and not (workspace / "fresh").exists()
     result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "x"), "--set", "train.steps=0"])
     assert result.exit_code == 1 and "train.steps must be positive" in result.output
 
 
-def test_two_processes_give_the_loss_curve_of_one(workspace):
-    """2 CPU processes (gloo) with half the batch each = 1 process with the whole batch."""
-    extra = ["train.steps=4", "train.trainable=[tables, gate_down]", "train.lr=1e-3"]
+def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tables(workspace):
+    """2 CPU processes (gloo) with half the batch each = 1 process with the whole batch; the tables and their
+    Adam state are one copy on the machine, mapped by both processes (its pages counted once in their PSS)."""
+    extra = ["train.steps=4", "train.trainable=[tables, gate_down]", "train.lr=1e-3", "tables.optimizer=adam",
+             f"tables.host_dir={workspace / 'shared'}", "train.keep_checkpoints_at_end=true", "train.checkpoint_every=1"]
     single = workspace / "one"
     Trainer(load_recipe(None, _overrides(workspace, *extra)), single, progress=False).run()
     recipe = workspace / "r.yaml"
     recipe.write_text("{}\n")
     sets = [w for o in _overrides(workspace, *extra, "train.micro_batch_size=2") for w in ("--set", o)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+    # `accelerate launch --cpu` would start one process: torchrun's launcher with accelerate told to use the CPU.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "stem_upcycle.cli", "train", str(recipe),
                "--output", str(workspace / "two"), "--quiet", *sets]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -188,6 +191,16 @@ def test_two_processes_give_the_loss_curve_of_one(workspace):
     for a, b in zip(one[1:], two[1:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert one[-1]["eval"]["heldout"]["ppl"] == pytest.approx(two[-1]["eval"]["heldout"]["ppl"], rel=1e-4)
+    memory = two[-1]["host_memory_gb"]  # summed over the two processes
+    assert memory["processes"] == 2 and memory["shared_files"] > 0
+    assert memory["shared_rss"] > 1.5 * memory["shared_pss"]  # both processes map the same pages ...
+    rounding = 8 * 4096 / 2**30  # 8 files (2 tables, Adam's m, v and step count of each), each ending in a partial page
+    assert memory["shared_pss"] <= memory["shared_files"] + rounding  # ... which count once: one copy
+    for step in (2, 3):
+        a, b = (safe_open(run / "checkpoints" / f"step-{step}" / "tables.safetensors", "pt") for run in (single, workspace / "two"))
+        for name in a.keys():  # every row updated once, by its owner: the same tables and Adam state as one process
+            torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
+    assert not (workspace / "shared").exists()  # removed with the run's export
 
 
 def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(workspace):

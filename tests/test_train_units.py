@@ -6,11 +6,11 @@ import torch.nn.functional as F
 
 from stem_upcycle.convert import plan_conversion, run_conversion
 from stem_upcycle.source import open_source
-from stem_upcycle.training.data import Batches, pack, read_documents
+from stem_upcycle.training.data import Batches
 from stem_upcycle.training.losses import IGNORE, HeadLoss, head_loss
 from stem_upcycle.training.recipe import RecipeError, load_recipe
 from stem_upcycle.training.student import attach_tables, base_model, set_blend, set_handoff
-from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagrad
+from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagrad, SharedTables
 
 from .conftest import VOCAB, save_tiny_tokenizer
 
@@ -86,6 +86,40 @@ def test_lazy_adam_equals_adam_when_every_row_is_touched():
     torch.testing.assert_close(weight, reference.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("optimizer", [RowwiseAdagrad, LazyAdam])
+def test_shared_tables_are_one_copy_whose_rows_each_process_updates_once(tmp_path, optimizer):
+    """Two processes of a machine (simulated in turn): one mapped copy of the table and its state; each writes
+    the rows it owns (id % 2), and together they make exactly the update of one process with a private copy."""
+    torch.manual_seed(0)
+    start = torch.randn(30, 6)
+    ids = torch.tensor([[3, 7, 3, 12], [11, 7, 8, 29]])
+    grad_of = torch.randn(30, 6)  # the gradient of each row, the same in every process (after all-reduce)
+
+    def one_step(table, opt):
+        table.gather(ids)
+        (table.lookup(table.ids) * grad_of[table.ids]).sum().backward()
+        opt.step(lr=0.1)
+
+    private = OffloadedTable(start.clone(), torch.device("cpu"))
+    reference = optimizer([private])
+    processes = []
+    for rank in range(2):  # rank 0 creates and fills the files, rank 1 maps them
+        shared = SharedTables(tmp_path / "host", rank, 2)
+        weight = shared.tensor("table.0", (30, 6), fill=lambda a, b: start[a:b])
+        table = OffloadedTable(weight, torch.device("cpu"), owner=(rank, 2))
+        processes.append((table, optimizer([table], zeros=shared.zeros("optimizer"))))
+    for _ in range(2):
+        one_step(private, reference)
+        for table, opt in processes:  # each writes its own rows into the one copy
+            one_step(table, opt)
+    a, b = processes[0][0].weight, processes[1][0].weight
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)  # two mappings, one copy
+    torch.testing.assert_close(a, private.weight, rtol=0, atol=1e-6)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(processes[1][1].state_dict()[name], value, rtol=0, atol=1e-6)
+    assert (tmp_path / "host" / "table.0.bin").stat().st_size == 30 * 6 * 4
+
+
 @pytest.mark.parametrize("model_type", ["llama", "granite", "phi3", "gemma2"])
 def test_handoff_at_blend_zero_is_the_dense_model_exactly(dense_dir, tmp_path, ids, model_type):
     from transformers import AutoModelForCausalLM
@@ -143,20 +177,9 @@ def test_recipe_overrides_and_errors(tmp_path):
         load_recipe(tmp_path / "missing.yaml")
 
 
-def test_packing_puts_eos_between_documents_and_batches_are_deterministic(tmp_path):
-    tokenizer = save_tiny_tokenizer(tmp_path / "tok")
-    (tmp_path / "a.jsonl").write_text('{"text": "w1 w2 w3"}\n\n{"text": "w4 w5"}\n')
-    (tmp_path / "b.txt").write_text("w6 w7 w8 w9")
-    docs = read_documents([tmp_path / "a.jsonl", tmp_path / "b.txt"])
-    assert docs == ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9"]
-    seqs = pack(docs, tokenizer, seq_len=4)
-    eos = VOCAB - 2
-    assert seqs.tolist() == [[1, 2, 3, eos, 4], [4, 5, eos, 6, 7]]  # neighbours share one token
+def test_batches_are_deterministic_and_an_epoch_reads_every_sequence_once():
     many = torch.arange(100).view(20, 5)
     a, b = Batches(many, 4, seed=3), Batches(many, 4, seed=3)
     assert torch.equal(a.step(7), b.step(7)) and not torch.equal(a.step(0), a.step(1))
     seen = torch.cat([a.step(s) for s in range(5)])[:, 0].sort().values
-    assert torch.equal(seen, many[:, 0])  # one epoch reads every sequence once
-    (tmp_path / "bad.jsonl").write_text('{"txt": "w1"}\n')
-    with pytest.raises(Exception, match="no string field 'text'"):
-        read_documents([tmp_path / "bad.jsonl"])
+    assert torch.equal(seen, many[:, 0])

@@ -102,12 +102,15 @@ def load_latest(trainer) -> tuple[int, int]:
         return 0, 0
     path = done[-1]
     state = json.loads((path / "state.json").read_text())
-    tables = load_file(path / "tables.safetensors")
-    for i, table in trainer.tables.items():
-        table.weight.copy_(tables[f"table.{i}"])
-    if trainer.table_optimizer is not None:
-        trainer.table_optimizer.load_state_dict({k.removeprefix("optimizer."): v for k, v in tables.items()
-                                                 if k.startswith("optimizer.")})
+    acc = trainer.accelerator
+    if acc.is_local_main_process:  # the machine's one copy of the tables and their state, written once
+        tables = load_file(path / "tables.safetensors")
+        for i, table in trainer.tables.items():
+            table.weight.copy_(tables[f"table.{i}"])
+        if trainer.table_optimizer is not None:
+            trainer.table_optimizer.load_state_dict({k.removeprefix("optimizer."): v for k, v in tables.items()
+                                                     if k.startswith("optimizer.")})
+    acc.wait_for_everyone()
     weights = load_file(path / "trainable.safetensors")
     params = _trainable_named(trainer)
     if set(weights) != set(params):

@@ -45,6 +45,7 @@ class DataSection:
     seq_len: int = 512  # tokens per packed training sequence (documents joined with EOS)
     max_train_tokens: int = 0  # 0: all
     eval_tokens: int = 8192  # held-out tokens of each set scored at each evaluation
+    cache_dir: str = ""  # tokenised text; default: $STEM_UPCYCLE_CACHE/tokens or ~/.cache/stem-upcycle/tokens
 
 
 @dataclass
@@ -93,6 +94,10 @@ class TablesSection:
     weight_decay: float = 0.0  # decoupled, applied to the rows a step touches
     max_grad_norm: float = 0.0  # clipping of the table gradients, separate from the dense parts; 0: none
     eps: float = 1e-8
+    # Where the machine's one copy of the tables and their optimizer state lives while training
+    # (fp32 files mapped by every process); default OUTPUT/host-tables, removed after export.
+    # /dev/shm keeps it in RAM, off the disk; with several machines, a folder local to each.
+    host_dir: str = ""
 
 
 @dataclass

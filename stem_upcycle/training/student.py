@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..families import family_for
 from ..init import mlp_projections
 from ..modeling.modeling_stem import StemMLP
-from .tables import OffloadedTable
+from .tables import OffloadedTable, SharedTables
 
 # Which dense parameters each trainable part names (regular expressions on parameter names).
 PARTS = {
@@ -53,14 +53,25 @@ def base_model(model):
     return getattr(model, model.base_model_prefix)
 
 
-def attach_tables(model, device: torch.device) -> dict[int, OffloadedTable]:
-    """Swap the STEM MLPs for training ones; the tables' storage moves out of the model, uncopied."""
+def attach_tables(model, device: torch.device, shared: SharedTables | None = None) -> dict[int, OffloadedTable]:
+    """Swap the STEM MLPs for training ones. Without `shared`, the tables' storage moves out of the
+    model uncopied; with it, each table is copied (in fp32) into the machine's shared copy, from the
+    model's memory or from the checkpoint files it was loaded with (`stem_tables="mmap"`)."""
     tables = {}
-    layers = base_model(model).layers
+    base = base_model(model)
+    placed = base.stem_tables_placement.tables if getattr(base, "stem_tables_placement", None) else {}
     for index in getattr(model.config, "stem_layers", []):  # none in a dense baseline
-        mlp = layers[index].mlp
-        tables[index] = OffloadedTable(mlp.up_table.weight.data, device)
-        layers[index].mlp = TrainingStemMLP(mlp, tables[index])
+        mlp = base.layers[index].mlp
+        if shared is None:
+            tables[index] = OffloadedTable(mlp.up_table.weight.data, device)
+        else:
+            source = placed[index] if index in placed else mlp.up_table.weight.data
+            weight = shared.tensor(f"table.{index}", tuple(source.shape), torch.float32,
+                                   fill=lambda start, stop, source=source: source[start:stop].float())
+            tables[index] = OffloadedTable(weight, device, owner=(shared.local_rank, shared.local_world))
+        base.layers[index].mlp = TrainingStemMLP(mlp, tables[index])
+    if placed:
+        base.stem_tables_placement = None  # lookups go to the training tables now, not to the checkpoint
     return tables
 
 

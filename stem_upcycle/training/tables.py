@@ -12,19 +12,70 @@ state is ever the size of the table:
   SparseAdam semantics); its state is twice the table, kept for comparison;
 - `adamw` is plain dense AdamW: every row is gathered and updated every step (gradients, state and
   update all of table size), the baseline the row-wise optimizers are measured against.
+
+One host copy per machine (`SharedTables`): the tables and their optimizer states are files mapped
+by every process of the machine, and each row is updated by one process only.
 """
 
 import math
+from pathlib import Path
 
 import torch
+
+ROWS_PER_COPY = 4096  # rows copied at once when a shared table is filled
+
+
+class SharedTables:
+    """The tables being trained and their optimizer states, one copy per machine for all its processes.
+
+    Each tensor is a file in `folder`, mapped with MAP_SHARED (`torch.from_file(shared=True)`) by
+    every process of the machine: the kernel holds one copy in its page cache, however many
+    processes map it (proportional set size counts it once). Every process gathers the rows it
+    needs; row v is written by local process v % local_world alone, each row update applied once.
+    The local main process creates and fills the files; `wait` is a barrier across processes.
+    Put `folder` on a RAM file system (/dev/shm) to keep it off the disk; on several machines it
+    must be a folder of each machine's own (each machine's processes update their own copy).
+    """
+
+    def __init__(self, folder: Path, local_rank: int, local_world: int, wait=lambda: None):
+        self.folder, self.local_rank, self.local_world, self.wait = Path(folder), local_rank, local_world, wait
+        if local_rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        self.wait()
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, fill=None) -> torch.Tensor:
+        """A shared tensor of zeros, or filled by `fill(start, stop) -> rows [start, stop)` (a table)."""
+        path = self.folder / f"{name}.bin"
+        numel = math.prod(shape)
+        if self.local_rank == 0:
+            with path.open("wb") as f:  # a file of zeros, written only where filled
+                f.truncate(numel * dtype.itemsize)
+            if fill is not None:
+                mapped = self._map(path, shape, dtype)
+                for start in range(0, shape[0], ROWS_PER_COPY):
+                    stop = min(start + ROWS_PER_COPY, shape[0])
+                    mapped[start:stop] = fill(start, stop)
+                del mapped
+        self.wait()
+        return self._map(path, shape, dtype)
+
+    def zeros(self, name: str):
+        """A `zeros(shape, dtype)` factory of shared tensors named NAME.0, NAME.1, ... for an optimizer's state."""
+        count = iter(range(1 << 30))
+        return lambda shape, dtype=torch.float32: self.tensor(f"{name}.{next(count)}", tuple(shape), dtype)
+
+    @staticmethod
+    def _map(path: Path, shape, dtype) -> torch.Tensor:
+        return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
 class OffloadedTable:
     """A [vocab, d_ff] table in host memory plus the rows the current step uses, on the device."""
 
-    def __init__(self, weight: torch.Tensor, device: torch.device):
-        self.weight = weight  # [vocab, d_ff], storage dtype, host memory
+    def __init__(self, weight: torch.Tensor, device: torch.device, owner: tuple[int, int] = (0, 1)):
+        self.weight = weight  # [vocab, d_ff], storage dtype, host memory (maybe shared by processes)
         self.device = device
+        self.owner = owner  # (local rank, local world): this process writes the rows v with v % world == rank
         self.ids = None  # [n] sorted distinct ids of the step, on the device
         self.rows = None  # [n, d_ff] fp32 leaf on the device
 
@@ -42,70 +93,79 @@ class OffloadedTable:
         """The rows of a forward's ids, as a STEM MLP's `up_table` is called."""
         return self.lookup(forward.on(self.device)).to(device, dtype)  # [batch, seq, d_ff]
 
-    def write_back(self) -> None:
-        self.weight[self.ids.cpu()] = self.rows.detach().to("cpu", self.weight.dtype)
+    def owned(self) -> torch.Tensor:
+        """[k] positions in `ids` of the rows this process updates."""
+        rank, world = self.owner
+        return torch.arange(self.ids.numel(), device=self.ids.device) if world == 1 else (self.ids % world == rank).nonzero()[:, 0]
+
+    def write_back(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store updated `rows` [k, d_ff] of the ids at `positions` [k]."""
+        self.weight[self.ids[positions].cpu()] = rows.to("cpu", self.weight.dtype)
 
 
 class RowwiseAdagrad:
     """Adagrad with one accumulator per row: G[v] += mean(g_v^2); row -= lr * g_v / (sqrt(G[v]) + eps)."""
 
-    def __init__(self, tables: list[OffloadedTable], eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(self, tables: list[OffloadedTable], eps: float = 1e-8, weight_decay: float = 0.0, zeros=torch.zeros):
+        """`zeros(shape, dtype)` allocates the state (`SharedTables.zeros`: one copy per machine)."""
         self.tables, self.eps, self.weight_decay = tables, eps, weight_decay
-        self.state = [torch.zeros(t.weight.shape[0]) for t in tables]  # [vocab] per table
+        self.state = [zeros((t.weight.shape[0],), dtype=torch.float32) for t in tables]  # [vocab] per table
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         for table, accum in zip(self.tables, self.state):
-            ids = table.ids.cpu()
-            grad = table.rows.grad  # [n, d_ff]
+            mine = table.owned()  # the rows of the step that this process updates
+            ids = table.ids[mine].cpu()
+            grad = table.rows.grad[mine]  # [k, d_ff]
             accum[ids] += grad.square().mean(1).cpu()
             denom = accum[ids].to(grad.device).sqrt().add_(self.eps)[:, None]
+            rows = table.rows.detach()[mine]
             if self.weight_decay:
-                table.rows.mul_(1 - lr * self.weight_decay)
-            table.rows.addcdiv_(grad, denom, value=-lr)
-            table.write_back()
+                rows.mul_(1 - lr * self.weight_decay)
+            table.write_back(mine, rows.addcdiv_(grad, denom, value=-lr))
 
     def state_dict(self) -> dict:
         return {f"accum.{i}": s for i, s in enumerate(self.state)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.state = [state[f"accum.{i}"].clone() for i in range(len(self.tables))]
+        for i, s in enumerate(self.state):  # in place: the state may be shared with other processes
+            s.copy_(state[f"accum.{i}"])
 
 
 class LazyAdam:
     """Adam (decoupled weight decay) applied to the touched rows only, with per-row step counts."""
 
-    def __init__(self, tables: list[OffloadedTable], eps: float = 1e-8, weight_decay: float = 0.0,
+    def __init__(self, tables: list[OffloadedTable], eps: float = 1e-8, weight_decay: float = 0.0, zeros=torch.zeros,
                  betas: tuple[float, float] = (0.9, 0.999)):
         self.tables, self.eps, self.weight_decay, self.betas = tables, eps, weight_decay, betas
-        self.state = [
-            {"m": torch.zeros(t.weight.shape, dtype=torch.float32), "v": torch.zeros(t.weight.shape, dtype=torch.float32),
-             "t": torch.zeros(t.weight.shape[0], dtype=torch.int64)}
-            for t in tables
-        ]
+        self.state = [{"m": zeros(t.weight.shape, dtype=torch.float32), "v": zeros(t.weight.shape, dtype=torch.float32),
+                       "t": zeros((t.weight.shape[0],), dtype=torch.int64)} for t in tables]
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         b1, b2 = self.betas
         for table, s in zip(self.tables, self.state):
-            ids = table.ids.cpu()
-            grad = table.rows.grad.cpu()
+            mine = table.owned()  # the rows of the step that this process updates
+            ids = table.ids[mine].cpu()
+            grad = table.rows.grad[mine].cpu()
             s["t"][ids] += 1
             t = s["t"][ids].double()[:, None]
             m = s["m"][ids].mul_(b1).add_(grad, alpha=1 - b1)
             v = s["v"][ids].mul_(b2).addcmul_(grad, grad, value=1 - b2)
             s["m"][ids], s["v"][ids] = m, v
             update = (m / (1 - b1**t).float()) / ((v / (1 - b2**t).float()).sqrt() + self.eps)
+            rows = table.rows.detach()[mine]
             if self.weight_decay:
-                table.rows.mul_(1 - lr * self.weight_decay)
-            table.rows.sub_(lr * update.to(table.rows.device))
-            table.write_back()
+                rows.mul_(1 - lr * self.weight_decay)
+            table.write_back(mine, rows.sub_(lr * update.to(rows.device)))
 
     def state_dict(self) -> dict:
         return {f"{k}.{i}": v for i, s in enumerate(self.state) for k, v in s.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.state = [{k: state[f"{k}.{i}"].clone() for k in ("m", "v", "t")} for i in range(len(self.tables))]
+        for i, s in enumerate(self.state):  # in place: the state may be shared with other processes
+            for k, v in s.items():
+                v.copy_(state[f"{k}.{i}"])
 
 
 class DenseAdamW(LazyAdam):

@@ -14,6 +14,7 @@ batch). Output layout:
     OUTPUT/*.safetensors ... the trained STEM model, written at the end
 """
 
+import json
 import math
 import os
 import resource
@@ -35,7 +36,7 @@ from .data import MixedBatches, heldout_paths, load_data, pack_ids
 from .losses import HeadLoss, head_loss
 from .recipe import Recipe
 from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff, unwrap_lora
-from .tables import TABLE_OPTIMIZERS, clip_rows
+from .tables import TABLE_OPTIMIZERS, SharedTables, clip_rows
 
 
 class TrainError(UserError):
@@ -65,6 +66,27 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def host_memory(shared: Path) -> list[float]:
+    """GiB of this process's [proportional set size, PSS of the files in `shared`, RSS of those files],
+    from /proc/self/smaps (Linux; zeros elsewhere). PSS shares each page among the processes mapping it."""
+    sizes, in_shared, prefix = [0, 0, 0], False, str(shared.resolve())
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                key, _, rest = line.partition(" ")
+                if not key.endswith(":"):  # a mapping's header: address range, permissions, ..., path
+                    in_shared = line.rstrip().split(maxsplit=5)[-1].startswith(prefix)
+                elif key in ("Pss:", "Rss:"):
+                    kb = int(rest.split()[0])
+                    if key == "Pss:":
+                        sizes[0] += kb
+                    if in_shared:
+                        sizes[1 if key == "Pss:" else 2] += kb
+    except OSError:
+        pass
+    return [kb / 2**20 for kb in sizes]
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, output: Path, resume: bool = False, progress: bool = True):
         from accelerate import Accelerator, DistributedType
@@ -79,10 +101,10 @@ class Trainer:
         acc = self.accelerator
         self.world = acc.num_processes
         launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched > 1 and self.world == 1:  # e.g. `accelerate launch` without --cpu on a machine with no GPU
+        if launched > 1 and self.world == 1:  # e.g. torchrun on a machine without GPUs, ACCELERATE_USE_CPU unset
             raise TrainError(f"{launched} processes were launched but accelerate started no distributed training, so "
-                             f"each would train alone into the same DIR; on a machine without GPUs launch with "
-                             f"`accelerate launch --cpu`")
+                             f"each would train alone into the same DIR; on a machine without GPUs set "
+                             f"ACCELERATE_USE_CPU=1 (`accelerate launch --cpu` itself starts one process only)")
         if t.batch_size % (self.world * t.micro_batch_size):
             raise TrainError(f"train.batch_size {t.batch_size} must be a multiple of processes x micro_batch_size "
                              f"({self.world} x {t.micro_batch_size})")
@@ -99,15 +121,19 @@ class Trainer:
         self.generated, self.generation_stats = self._generated_text()
         self.init_dir = self._initial_model()
         self.tokenizer = load_tokenizer(open_source(str(self.init_dir)))
-        self.train_ids, self.heldout = load_data(recipe, self.tokenizer)
+        train_text, self.heldout = load_data(recipe, self.tokenizer, acc.process_index, acc.num_processes,
+                                             acc.wait_for_everyone)
         generated = None if self.generated is None else pack_ids(self.generated, self.tokenizer, recipe.data.seq_len)
-        self.batches = MixedBatches(self.train_ids, generated, t.batch_size, recipe.generated.train_share, t.seed)
+        self.batches = MixedBatches(train_text, generated, t.batch_size, recipe.generated.train_share, t.seed)
         self._eval_reference = {}  # held-out set -> (teacher hidden states per micro-batch, teacher nll), once
 
         from transformers import AutoModelForCausalLM
 
-        student = AutoModelForCausalLM.from_pretrained(self.init_dir, dtype=torch.float32, stem_tables="memory")
-        if student.config.model_type != "stem" and ("tables" in t.trainable or recipe.handoff.steps):
+        is_stem = json.loads((self.init_dir / "config.json").read_text()).get("model_type") == "stem"
+        # The tables stay in the checkpoint's files until attach_tables copies them into the shared host copy.
+        student = AutoModelForCausalLM.from_pretrained(self.init_dir, dtype=torch.float32,
+                                                       **({"stem_tables": "mmap"} if is_stem else {}))
+        if not is_stem and ("tables" in t.trainable or recipe.handoff.steps):
             # A dense init_from is allowed as a baseline: the dense model fine-tuned by the same recipe.
             raise TrainError(f"{self.init_dir} is not a STEM model, so it has no tables to train or hand off to; "
                              f"model.init_from must name a converted checkpoint")
@@ -115,7 +141,10 @@ class Trainer:
             raise TrainError(f"{recipe.model.source} has a vocabulary of {self.teacher.config.vocab_size}, the model "
                              f"to train one of {student.config.vocab_size}; the teacher must be its dense base")
         self.causal_lm = student
-        self.tables = attach_tables(student, acc.device)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.host_dir = Path(recipe.tables.host_dir or self.output / "host-tables")
+        self.shared = SharedTables(self.host_dir, acc.local_process_index, local_world, acc.wait_for_everyone)
+        self.tables = attach_tables(student, acc.device, self.shared)
         if recipe.handoff.steps:
             set_handoff(student, self.teacher)
         self.trainable = select_trainable(student, t.trainable, recipe.lora)
@@ -129,7 +158,8 @@ class Trainer:
         self.dense_optimizer = torch.optim.AdamW(dense, lr=t.lr, weight_decay=t.weight_decay) if dense else None
         table_list = [self.tables[i] for i in sorted(self.tables)]
         self.table_optimizer = (TABLE_OPTIMIZERS[recipe.tables.optimizer](
-            table_list, eps=recipe.tables.eps, weight_decay=recipe.tables.weight_decay)
+            table_list, eps=recipe.tables.eps, weight_decay=recipe.tables.weight_decay,
+            zeros=self.shared.zeros("optimizer"))
             if "tables" in t.trainable else None)
         if dense:
             self.step_module, self.dense_optimizer = acc.prepare(self.step_module, self.dense_optimizer)
@@ -167,12 +197,18 @@ class Trainer:
         return text.load(), stats
 
     def _initial_model(self) -> Path:
-        m = self.recipe.model
+        """The STEM checkpoint training starts from: model.init_from, or `source` converted into OUTPUT/init.
+
+        A calibrated init reads its text in every process (each a share, on its device; the sums are
+        reduced), then the main process writes the checkpoint."""
+        m, acc = self.recipe.model, self.accelerator
         if m.init_from:
             return Path(open_source(m.init_from).directory or m.init_from)
         init_dir = self.output / "init"
-        if self.accelerator.is_main_process and not (init_dir / "config.json").exists():
+        if not (init_dir / "config.json").exists():
             from ..convert import plan_conversion, run_conversion
+            from ..initialisers import INITIALISERS
+            from ..sensitivity import is_auto
             from .data import expand_files
 
             heldout = heldout_paths(self.recipe)
@@ -185,11 +221,22 @@ class Trainer:
                 share = self.recipe.generated.calib_share if calib else 1.0
                 stream = as_stream(self.generated, self.teacher_tokenizer.eos_token_id)  # as training packs it
                 options["calib_generated"] = stream[: round(m.calib_tokens * share)]
-            plan = plan_conversion(self.source, layers=m.layers, init=m.init, dtype="float32", init_options=options)
-            print(plan.describe(), file=sys.stderr)
-            run_conversion(plan, init_dir, overwrite=True, progress=self.progress,
-                           command=f"stem-upcycle train (conversion of {m.source})")
-        self.accelerator.wait_for_everyone()
+            # --layers auto scores layers on the main process alone; an explicit layer set calibrates in every one
+            split = self.world > 1 and getattr(INITIALISERS[m.init], "needs_data", False) and not is_auto(m.layers)
+            if split:
+                options["shard"] = (acc.process_index, self.world, lambda t: acc.reduce(t, reduction="sum"))
+            if split or acc.is_main_process:
+                with acc.autocast():
+                    plan = plan_conversion(self.source, layers=m.layers, init=m.init, dtype="float32",
+                                           init_options=options)
+                    if split:  # reused by the conversion below instead of calibrating again
+                        plan.init_options["calibration"] = INITIALISERS[m.init](
+                            plan, progress=self.progress and acc.is_main_process)
+            if acc.is_main_process:
+                print(plan.describe(), file=sys.stderr)
+                run_conversion(plan, init_dir, overwrite=True, progress=self.progress,
+                               command=f"stem-upcycle train (conversion of {m.source})")
+        acc.wait_for_everyone()
         return init_dir
 
     def _teacher(self):
@@ -241,7 +288,9 @@ class Trainer:
             self._reduce_row_grads()
             record["table_grad_norm"] = clip_rows(list(self.tables.values()), self.recipe.tables.max_grad_norm)
             record["table_lr"] = lr_at(step, self.recipe.tables.lr, self.recipe.tables.warmup_steps, t.steps, t.min_lr_ratio)
-            self.table_optimizer.step(record["table_lr"])
+            self.table_optimizer.step(record["table_lr"])  # each process writes its own rows
+            if self.world > 1:
+                acc.wait_for_everyone()  # every row written before any process gathers the next step's
         if self.dense_optimizer is not None:
             if t.max_grad_norm:
                 record["grad_norm"] = float(acc.clip_grad_norm_(self.step_module.parameters(), t.max_grad_norm))
@@ -272,12 +321,19 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """{"eval": {set: {ppl, ref_ppl, ppl_ratio, kl, top1_agreement, tokens}}} on every held-out set,
-        in eval mode (no dropout), training mode restored after."""
+        in eval mode (no dropout), training mode restored after; and "host_memory_gb", summed over the
+        processes: PSS, and the size, PSS and RSS of the shared tables' and optimizer states' files."""
         self.causal_lm.eval()
         try:
-            return {"eval": {name: self._evaluate_set(name, sequences) for name, sequences in self.heldout.items()}}
+            results = {"eval": {name: self._evaluate_set(name, sequences) for name, sequences in self.heldout.items()}}
         finally:
             self.causal_lm.train()
+        memory = torch.tensor(host_memory(self.host_dir), dtype=torch.float64, device=self.accelerator.device)
+        memory = self.accelerator.reduce(memory, reduction="sum") if self.world > 1 else memory
+        files = sum(f.stat().st_size for f in self.host_dir.iterdir()) / 2**30
+        results["host_memory_gb"] = {"processes": self.world, "pss": memory[0].item(), "shared_files": files,
+                                     "shared_pss": memory[1].item(), "shared_rss": memory[2].item()}
+        return results
 
     def _evaluate_set(self, name: str, sequences: torch.Tensor) -> dict:
         acc, t = self.accelerator, self.recipe.train
@@ -348,6 +404,7 @@ class Trainer:
                 shutil.rmtree(self.init_dir, ignore_errors=True)
             if not self.recipe.train.keep_checkpoints_at_end:  # OUTPUT is then the model, ready to share
                 shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
+            shutil.rmtree(self.host_dir, ignore_errors=True)
         acc.wait_for_everyone()
         return self.output
 
