@@ -13,7 +13,9 @@ tokenizer). For each corpus, two fresh processes:
   held-out text being the corpus's last 1%; peak RSS.
 
 Nothing depends on the corpus but the cache file and the permutation of its sequence indices
-(8 bytes per 512 tokens), so both peaks should be flat in the corpus size.
+(8 bytes per 512 tokens), so both peaks should be flat in the corpus size. `--before` also
+measures, on the largest corpus, the data path this replaced (every document tokenised into one
+Python list, then a tensor of sequences, in every process).
 """
 
 import argparse
@@ -105,6 +107,21 @@ result = {{"tokens": len(stream), "seconds": time.perf_counter() - started}}
 """)
 
 
+def before(files: list[Path], dense: Path) -> tuple[dict, float]:
+    return child(f"""
+import torch
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({str(dense)!r})
+stream = []
+for f in {[str(f) for f in files]!r}:
+    stream += tokenizer(open(f).read(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+ids = torch.tensor(stream, dtype=torch.long)
+n = (ids.numel() - 1) // 512
+sequences = ids[: n * 512 + 1].unfold(0, 513, 512).contiguous()
+result = {{"tokens": len(stream)}}
+""")
+
+
 def train(files: list[Path], dense: Path, stem: Path, cache: Path, out: Path, steps: int) -> tuple[dict, float]:
     import shutil
 
@@ -128,6 +145,7 @@ def main():
     parser.add_argument("--tokens", type=float, nargs="+", default=[1e6, 5e7])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "data-scale")
+    parser.add_argument("--before", action="store_true", help="also the replaced data path, on the largest corpus")
     args = parser.parse_args()
     print(machine())
     dense, stem = tiny_model(args.work)
@@ -143,6 +161,9 @@ def main():
         print(f"{name}: {made['tokens']} tokens tokenised in {made['seconds']:.1f} s "
               f"({made['tokens'] / made['seconds']:.0f} tokens/s), peak RSS {tok_rss:.2f} GiB; "
               f"train {args.steps} steps: peak RSS {train_rss:.2f} GiB, last loss {trained['loss']:.3f}", flush=True)
+    if args.before:
+        old, old_rss = before(files, dense)
+        print(f"before the token cache, {name}: {old['tokens']} tokens held in memory, peak RSS {old_rss:.2f} GiB")
     base = rows[0]
     for name, tokens, _, tok_rss, train_rss, _ in rows[1:]:
         print(f"{name} vs {base[0]}: {tokens / base[1]:.0f}x the tokens; peak RSS tokenising {tok_rss / base[3]:.2f}x, "

@@ -4,6 +4,10 @@ A checkpoint holds everything a step changes: the tables, the trainable dense we
 optimizers' states and the step count. Data order is a function of the step (see `data.Batches`),
 so the step after a resume reads the same sequences and computes the same loss as it would have
 in an uninterrupted run. Checkpoints are written to `step.partial-PID` and renamed to `step-N` when complete.
+
+Not accelerate's save_state/load_state: registered objects are pickled whole with torch.save,
+multi-GB tables included; here tables and their state go to safetensors (sharded FSDP
+checkpoints are therefore not supported yet).
 """
 
 import json

@@ -64,6 +64,26 @@ class SharedTables:
         count = iter(range(1 << 30))
         return lambda shape, dtype=torch.float32: self.tensor(f"{name}.{next(count)}", tuple(shape), dtype)
 
+    def memory(self) -> list[float]:
+        """GiB of this process's [proportional set size, PSS of the shared files, RSS of the shared files],
+        from /proc/self/smaps (Linux; zeros elsewhere). PSS divides each page among the processes mapping it."""
+        sizes, in_shared, prefix = [0, 0, 0], False, str(self.folder.resolve())
+        try:
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    key, _, rest = line.partition(" ")
+                    if not key.endswith(":"):  # a mapping's header: address range, permissions, ..., path
+                        in_shared = line.rstrip().split(maxsplit=5)[-1].startswith(prefix)
+                    elif key in ("Pss:", "Rss:"):
+                        kb = int(rest.split()[0])
+                        if key == "Pss:":
+                            sizes[0] += kb
+                        if in_shared:
+                            sizes[1 if key == "Pss:" else 2] += kb
+        except OSError:
+            pass
+        return [kb / 2**20 for kb in sizes]
+
     @staticmethod
     def _map(path: Path, shape, dtype) -> torch.Tensor:
         return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)

@@ -59,32 +59,14 @@ class DistillStep(nn.Module):
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to `peak`, then cosine decay to `min_ratio * peak` at the last step."""
+    """Linear warmup to `peak`, then cosine decay to `min_ratio * peak` at the last step.
+
+    Not transformers' get_cosine_with_min_lr_schedule_with_warmup: that drives torch optimizers
+    (the table optimizers are not), and its warmup spends the first step at LR 0."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def host_memory(shared: Path) -> list[float]:
-    """GiB of this process's [proportional set size, PSS of the files in `shared`, RSS of those files],
-    from /proc/self/smaps (Linux; zeros elsewhere). PSS shares each page among the processes mapping it."""
-    sizes, in_shared, prefix = [0, 0, 0], False, str(shared.resolve())
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                key, _, rest = line.partition(" ")
-                if not key.endswith(":"):  # a mapping's header: address range, permissions, ..., path
-                    in_shared = line.rstrip().split(maxsplit=5)[-1].startswith(prefix)
-                elif key in ("Pss:", "Rss:"):
-                    kb = int(rest.split()[0])
-                    if key == "Pss:":
-                        sizes[0] += kb
-                    if in_shared:
-                        sizes[1 if key == "Pss:" else 2] += kb
-    except OSError:
-        pass
-    return [kb / 2**20 for kb in sizes]
 
 
 class Trainer:
@@ -142,8 +124,8 @@ class Trainer:
                              f"to train one of {student.config.vocab_size}; the teacher must be its dense base")
         self.causal_lm = student
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        self.host_dir = Path(recipe.tables.host_dir or self.output / "host-tables")
-        self.shared = SharedTables(self.host_dir, acc.local_process_index, local_world, acc.wait_for_everyone)
+        self.shared = SharedTables(Path(recipe.tables.host_dir or self.output / "host-tables"),
+                                   acc.local_process_index, local_world, acc.wait_for_everyone)
         self.tables = attach_tables(student, acc.device, self.shared)
         if recipe.handoff.steps:
             set_handoff(student, self.teacher)
@@ -271,6 +253,8 @@ class Trainer:
         normalizer = mine[:, 1:].numel()
         sums = torch.zeros(5, dtype=torch.float64, device=acc.device)
         loss_total = 0.0
+        # Accumulation by hand, not accelerate's accumulate(): that divides each micro-batch's loss by
+        # their count, where ours are normalised by the step's tokens (and carry unequal CE tokens).
         for i, (chunk, chunk_ce) in enumerate(micro):
             inputs, targets = chunk[:, :-1], chunk[:, 1:]
             ce_mask = chunk_ce[:, None].expand_as(targets)
@@ -328,9 +312,9 @@ class Trainer:
             results = {"eval": {name: self._evaluate_set(name, sequences) for name, sequences in self.heldout.items()}}
         finally:
             self.causal_lm.train()
-        memory = torch.tensor(host_memory(self.host_dir), dtype=torch.float64, device=self.accelerator.device)
+        memory = torch.tensor(self.shared.memory(), dtype=torch.float64, device=self.accelerator.device)
         memory = self.accelerator.reduce(memory, reduction="sum") if self.world > 1 else memory
-        files = sum(f.stat().st_size for f in self.host_dir.iterdir()) / 2**30
+        files = sum(f.stat().st_size for f in self.shared.folder.iterdir()) / 2**30
         results["host_memory_gb"] = {"processes": self.world, "pss": memory[0].item(), "shared_files": files,
                                      "shared_pss": memory[1].item(), "shared_rss": memory[2].item()}
         return results
@@ -404,7 +388,7 @@ class Trainer:
                 shutil.rmtree(self.init_dir, ignore_errors=True)
             if not self.recipe.train.keep_checkpoints_at_end:  # OUTPUT is then the model, ready to share
                 shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
-            shutil.rmtree(self.host_dir, ignore_errors=True)
+            shutil.rmtree(self.shared.folder, ignore_errors=True)
         acc.wait_for_everyone()
         return self.output
 
