@@ -72,7 +72,7 @@ def unpack(folder: Path) -> Path:
 
 def dense_checkpoint(source: str, work: Path, dtype) -> Path:
     """The dense model as a safetensors folder (teacher of both runs, and the dense run's starting point)."""
-    out = work / "dense"
+    out = work / "dense-source"  # not "dense": that is the dense run's output
     if not (out / "config.json").exists():
         from stem_upcycle.loading import load_tokenizer, model_from_source
         from stem_upcycle.source import open_source

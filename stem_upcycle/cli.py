@@ -47,6 +47,8 @@ def main():
               help="Of the calibration tokens, this many are text sampled from SOURCE itself (generated once, cached), "
                    "so that tokens the calibration text never shows get calibrated rows; alone, a data-free init.")
 @click.option("--calib-seq-len", default=512, show_default=True, help="Tokens per calibration forward.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the dense model reads the calibration text (fp32): auto (the GPU if there is one), cpu, cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
@@ -54,8 +56,8 @@ def main():
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, dtype, max_shard_size,
-            overwrite, dry_run, quiet):
+def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, device, dtype,
+            max_shard_size, overwrite, dry_run, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id already in the local cache, a .gguf file,
@@ -66,14 +68,21 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
     import torch
 
     from .convert import check_output, plan_conversion, run_conversion
+    from .loading import model_from_source, resolve_device
+    from .sensitivity import is_auto
     from .source import open_source
 
+    device = resolve_device(device)
     src = open_source(source)
     options = {"calib_data": list(calib_data), "calib_tokens": calib_tokens, "calib_seq_len": calib_seq_len}
+    reads_text = getattr(INITIALISERS[init], "needs_data", False) or is_auto(layers) or calib_generate
+    if reads_text and not dry_run:  # the dense model, loaded once, where it reads (and writes) text
+        options["dense_model"] = model_from_source(src).to(device)
     if calib_generate and dry_run:  # stands for the text a real run samples: a dry run generates nothing
         options["calib_generated"] = torch.zeros(0, dtype=torch.long)
     elif calib_generate:
-        options.update(generated_calibration(src, calib_generate, calib_tokens, progress=not quiet))
+        options.update(generated_calibration(src, options["dense_model"], calib_generate, calib_tokens,
+                                             progress=not quiet))
     plan = plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
                            init_options=options, progress=not quiet, dry_run=dry_run)
     click.echo(plan.describe())
@@ -94,21 +103,20 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
     click.echo(f"note: {UNTRAINED_WARNING}", err=True)
 
 
-def generated_calibration(source, tokens: int, calib_tokens: int, progress: bool) -> dict:
-    """init_options for calibrating on `tokens` tokens sampled from the source model (and that model, loaded once)."""
-    from .loading import load_tokenizer, model_from_source
+def generated_calibration(source, model, tokens: int, calib_tokens: int, progress: bool) -> dict:
+    """init_options for calibrating on `tokens` tokens sampled from the source model `model`."""
+    from .loading import load_tokenizer
     from .generate import GeneratedText, Sampling, as_stream
 
     if tokens > calib_tokens:
         raise UserError(f"--calib-generate {tokens} is more than --calib-tokens {calib_tokens}; raise --calib-tokens")
-    model = model_from_source(source)
     tokenizer = load_tokenizer(source)
     text = GeneratedText(source, Sampling(sequences=-(-tokens // Sampling.length)))
     ids, stats = text.ensure(model, tokenizer, progress=progress)
     if stats:
         click.echo(f"generated {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} "
                    f"tokens/s) into {text.folder}", err=True)
-    return {"calib_generated": as_stream(ids, tokenizer.eos_token_id)[:tokens], "dense_model": model}
+    return {"calib_generated": as_stream(ids, tokenizer.eos_token_id)[:tokens]}
 
 
 @main.command()

@@ -71,7 +71,8 @@ def perplexity_with(model, calibrated, family: Family, config, layers: list[int]
     """Perplexity of the dense `model` on `windows` [n, seq] with `layers` converted (calibrated rows):
     a forward hook makes each such layer's MLP return a STEM MLP's output on the same input."""
     token_ids = IdHandoff()
-    ids = windows.unique()
+    device = model.device  # scored where the model is (a GPU with `convert --device`)
+    ids = windows.unique().to(device)
     hooks = []
 
     def stem_mlp(layer):
@@ -81,14 +82,15 @@ def perplexity_with(model, calibrated, family: Family, config, layers: list[int]
         mlp = StemMLP(_linear(w["gate"], w["gate_bias"]),
                       _linear(tensors.get(layer_name(layer, family.down + ".weight")),
                               tensors.get(down_bias) if down_bias in tensors else None),
-                      ACT2FN[config.stem_activation], CalibratedRows(ids, calibrated.rows_for(layer, ids)), token_ids)
+                      ACT2FN[config.stem_activation], CalibratedRows(ids, calibrated.rows_for(layer, ids.cpu()).to(device)),
+                      token_ids).to(device)
         return lambda module, args, output: mlp(args[0].float()).to(output.dtype)
 
     for layer in layers:
         hooks.append(model.base_model.layers[layer].mlp.register_forward_hook(stem_mlp(layer)))
     try:
         total = 0.0
-        for window in windows:
+        for window in windows.to(device):
             token_ids.start(window[None])
             logits = model(window[None], use_cache=False).logits[0, :-1].float()
             total += F.cross_entropy(logits, window[1:], reduction="sum").item()

@@ -85,3 +85,9 @@ def test_bad_option_values_end_in_one_line(good, tmp_path):
         ["convert", good, tmp_path / "out", "--max-shard-size", "lots"])
     assert not (tmp_path / "out").exists()
     assert "cannot write to /proc" in one_line_error(["convert", good, "/proc/stem-out"])  # not "no disk space"
+    assert "--device 'warp9' is not a device" in one_line_error(
+        ["convert", good, tmp_path / "out", "--device", "warp9"])
+    assert "--device 'warp9' is not a device" in one_line_error(["eval", good, "--facts", "--device", "warp9"])
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in one_line_error(["convert", good, tmp_path / "out", "--device", "cuda"])
+    assert not (tmp_path / "out").exists()

@@ -200,7 +200,7 @@ def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tabl
         a, b = (safe_open(run / "checkpoints" / f"step-{step}" / "tables.safetensors", "pt") for run in (single, workspace / "two"))
         for name in a.keys():  # every row updated once, by its owner: the same tables and Adam state as one process
             torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
-    assert not (workspace / "shared").exists()  # removed with the run's export
+    assert list((workspace / "shared").iterdir()) == []  # the machine's copy went with the export, the folder stays
 
 
 def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(workspace):
@@ -231,6 +231,7 @@ def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(works
     assert log[0]["eval"]["markov"]["ppl"] != log[0]["eval"]["other"]["ppl"]
     assert not (workspace / "mixed" / "checkpoints").exists()  # the output is the model, ready to share
     assert not (workspace / "mixed" / "init").exists()
+    assert not (workspace / "mixed" / "host-tables").exists()  # the shared tables went with the export
     card = (workspace / "mixed" / "README.md").read_text()
     assert "| markov |" in card and "| other |" in card and "660 tokens sampled" in card
 

@@ -94,9 +94,9 @@ class TablesSection:
     weight_decay: float = 0.0  # decoupled, applied to the rows a step touches
     max_grad_norm: float = 0.0  # clipping of the table gradients, separate from the dense parts; 0: none
     eps: float = 1e-8
-    # Where the machine's one copy of the tables and their optimizer state lives while training
-    # (fp32 files mapped by every process); default OUTPUT/host-tables, removed after export.
-    # /dev/shm keeps it in RAM, off the disk; with several machines, a folder local to each.
+    # Where each machine's one copy of the tables and their optimizer state lives while training
+    # (fp32 files mapped by every process, in a subfolder named after the machine); default
+    # OUTPUT/host-tables, removed after export. /dev/shm keeps it in RAM, off the disk.
     host_dir: str = ""
 
 

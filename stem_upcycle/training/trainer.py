@@ -19,9 +19,10 @@ import math
 import os
 import resource
 import shutil
+import socket
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from pathlib import Path
 
 import torch
@@ -124,8 +125,9 @@ class Trainer:
                              f"to train one of {student.config.vocab_size}; the teacher must be its dense base")
         self.causal_lm = student
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        self.shared = SharedTables(Path(recipe.tables.host_dir or self.output / "host-tables"),
-                                   acc.local_process_index, local_world, acc.wait_for_everyone)
+        # One folder per machine (named after it): machines that share OUTPUT's file system keep apart copies.
+        host = Path(recipe.tables.host_dir or self.output / "host-tables") / socket.gethostname()
+        self.shared = SharedTables(host, acc.local_process_index, local_world, acc.wait_for_everyone)
         self.tables = attach_tables(student, acc.device, self.shared)
         if recipe.handoff.steps:
             set_handoff(student, self.teacher)
@@ -388,8 +390,12 @@ class Trainer:
                 shutil.rmtree(self.init_dir, ignore_errors=True)
             if not self.recipe.train.keep_checkpoints_at_end:  # OUTPUT is then the model, ready to share
                 shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
-            shutil.rmtree(self.shared.folder, ignore_errors=True)
         acc.wait_for_everyone()
+        if acc.is_local_main_process:  # each machine's copy of the tables; never the user's host_dir itself
+            shutil.rmtree(self.shared.folder, ignore_errors=True)
+            if not self.recipe.tables.host_dir:
+                with suppress(OSError):  # still holding another machine's copy: its own process removes it
+                    (self.output / "host-tables").rmdir()
         return self.output
 
 
