@@ -171,7 +171,8 @@ def test_train_cli_refuses_to_mix_runs(workspace):
 
 def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tables(workspace):
     """2 CPU processes (gloo) with half the batch each = 1 process with the whole batch; the tables and their
-    Adam state are one copy on the machine, mapped by both processes (its pages counted once in their PSS)."""
+    Adam state are one copy on the machine, mapped by both processes (its pages counted once in their PSS);
+    both resume from a checkpoint."""
     extra = ["train.steps=4", "train.trainable=[tables, gate_down]", "train.lr=1e-3", "tables.optimizer=adam",
              f"tables.host_dir={workspace / 'shared'}", "train.keep_checkpoints_at_end=true", "train.checkpoint_every=1"]
     single = workspace / "one"
@@ -201,6 +202,12 @@ def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tabl
         for name in a.keys():  # every row updated once, by its owner: the same tables and Adam state as one process
             torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
     assert list((workspace / "shared").iterdir()) == []  # the machine's copy went with the export, the folder stays
+    # Resumed by both processes from the step-3 checkpoint (accelerate's state, tables into the shared copy):
+    # step 4 again, with the same loss.
+    again = subprocess.run(command + ["--resume"], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = _log(workspace / "two")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4] and resumed[-1]["loss"] == pytest.approx(two[-1]["loss"], rel=1e-6)
 
 
 def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(workspace):

@@ -1,13 +1,14 @@
 """Training state on disk: the output directory, checkpoints with exact resume, the JSON-lines log.
 
-A checkpoint holds everything a step changes: the tables, the trainable dense weights, both
-optimizers' states and the step count. Data order is a function of the step (see `data.Batches`),
+A checkpoint holds everything a step changes: the tables and their optimizer state
+(safetensors), the model and the dense optimizer (accelerate's `save_state`: sharded under FSDP)
+and the step count. Data order is a function of the step (see `data.Batches`),
 so the step after a resume reads the same sequences and computes the same loss as it would have
 in an uninterrupted run. Checkpoints are written to `step.partial-PID` and renamed to `step-N` when complete.
 
-Not accelerate's save_state/load_state: registered objects are pickled whole with torch.save,
-multi-GB tables included; here tables and their state go to safetensors (sharded FSDP
-checkpoints are therefore not supported yet).
+The tables are not registered with accelerate (`register_for_checkpointing`): it would torch.save
+them whole and load them back in every process; one safetensors file, read by each machine's
+local main process into its shared copy, holds them.
 """
 
 import json
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..errors import UserError
 from ..shards import staging_dir
@@ -31,8 +33,9 @@ class ResumeError(UserError):
     pass
 
 
-def prepare_output(output: Path, recipe, resume: bool, is_main: bool) -> None:
-    """Refuse to mix runs in one directory; record the recipe of a new run."""
+def prepare_output(output: Path, recipe, resume: bool, is_main: bool, wait=lambda: None) -> None:
+    """Refuse to mix runs in one directory; record the recipe of a new run. Every process checks before
+    the main one writes (`wait`: a barrier across processes)."""
     saved = output / "recipe.yaml"
     if resume:
         if not saved.exists():
@@ -46,6 +49,7 @@ def prepare_output(output: Path, recipe, resume: bool, is_main: bool) -> None:
         return
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise UserError(f"{output} is not empty; choose a new --output, or pass --resume to continue the run in it")
+    wait()
     if is_main:
         output.mkdir(parents=True, exist_ok=True)
         saved.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -66,26 +70,27 @@ class Log:
                 f.write(json.dumps(record) + "\n")
 
 
-def _trainable_named(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in trainer.trainable.named_parameters() if p.requires_grad}
-
-
 def save(trainer, step: int) -> None:
+    """Every process takes part: accelerate's `save_state` writes the model and the dense optimizer
+    (one file on one process; a shard per process under FSDP), the main process the tables."""
+    from accelerate.utils import broadcast_object_list
+
     acc = trainer.accelerator
     acc.wait_for_everyone()
+    root = trainer.output / "checkpoints"
+    partial = [None]
     if acc.is_main_process:
-        root = trainer.output / "checkpoints"
         root.mkdir(parents=True, exist_ok=True)
-        final, partial = root / f"step-{step}", staging_dir(root, "step")
+        partial = [str(staging_dir(root, "step"))]
+    partial = Path(broadcast_object_list(partial)[0] if acc.num_processes > 1 else partial[0])
+    acc.save_state(str(partial / "accelerate"))
+    if acc.is_main_process:
         tables = {f"table.{i}": t.weight for i, t in trainer.tables.items()}
         if trainer.table_optimizer is not None:
             tables |= {f"optimizer.{k}": v for k, v in trainer.table_optimizer.state_dict().items()}
         save_file(tables, partial / "tables.safetensors")
-        save_file({n: p.contiguous().cpu() for n, p in _trainable_named(trainer).items()}, partial / "trainable.safetensors")
-        if trainer.dense_optimizer is not None:
-            torch.save(trainer.dense_optimizer.state_dict(), partial / "dense_optimizer.pt")
         (partial / "state.json").write_text(json.dumps({"step": step, "tokens_seen": trainer.tokens_seen}))
-        partial.rename(final)
+        partial.rename(root / f"step-{step}")
         done = _complete(root)
         for old in done[: max(0, len(done) - trainer.recipe.train.keep_checkpoints)]:
             shutil.rmtree(old)
@@ -98,6 +103,16 @@ def _complete(root: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.removeprefix("step-")))
 
 
+class LazyState:
+    """The optimizer entries of a checkpoint file, read one by one as the optimizer asks for them."""
+
+    def __init__(self, file, prefix: str):
+        self.file, self.prefix = file, prefix
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.file.get_tensor(self.prefix + key)
+
+
 def load_latest(trainer) -> tuple[int, int]:
     """Restore the newest complete checkpoint; (step, tokens seen), or (0, 0) when there is none."""
     root = trainer.output / "checkpoints"
@@ -108,22 +123,13 @@ def load_latest(trainer) -> tuple[int, int]:
     state = json.loads((path / "state.json").read_text())
     acc = trainer.accelerator
     if acc.is_local_main_process:  # the machine's one copy of the tables and their state, written once
-        tables = load_file(path / "tables.safetensors")
-        for i, table in trainer.tables.items():
-            table.weight.copy_(tables[f"table.{i}"])
-        if trainer.table_optimizer is not None:
-            trainer.table_optimizer.load_state_dict({k.removeprefix("optimizer."): v for k, v in tables.items()
-                                                     if k.startswith("optimizer.")})
+        with safe_open(path / "tables.safetensors", "pt") as f:  # one table-sized tensor in memory at a time
+            for i, table in trainer.tables.items():
+                table.weight.copy_(f.get_tensor(f"table.{i}"))
+            if trainer.table_optimizer is not None:
+                trainer.table_optimizer.load_state_dict(LazyState(f, "optimizer."))
     acc.wait_for_everyone()
-    weights = load_file(path / "trainable.safetensors")
-    params = _trainable_named(trainer)
-    if set(weights) != set(params):
-        raise ResumeError(f"{path} holds other trainable weights than this recipe trains; start a new run")
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value)
-    if trainer.dense_optimizer is not None:
-        trainer.dense_optimizer.load_state_dict(torch.load(path / "dense_optimizer.pt", weights_only=True))
+    acc.load_state(str(path / "accelerate"))  # the model (trainable weights among them) and the dense optimizer
     if trainer.recipe.handoff.steps and state["step"] >= trainer.recipe.handoff.steps:
         from .student import set_handoff
 

@@ -91,10 +91,9 @@ class Trainer:
         if t.batch_size % (self.world * t.micro_batch_size):
             raise TrainError(f"train.batch_size {t.batch_size} must be a multiple of processes x micro_batch_size "
                              f"({self.world} x {t.micro_batch_size})")
-        if acc.distributed_type == DistributedType.FSDP and (t.checkpoint_every or "lora" in t.trainable):
-            raise TrainError("under FSDP, set train.checkpoint_every: 0 and train LoRA-free: sharded checkpoints and "
-                             "merging sharded adapters are not supported yet")
-        checkpoint.prepare_output(self.output, recipe, resume, acc.is_main_process)
+        if acc.distributed_type == DistributedType.FSDP and "lora" in t.trainable:
+            raise TrainError("under FSDP, train LoRA-free: merging sharded adapters is not supported yet")
+        checkpoint.prepare_output(self.output, recipe, resume, acc.is_main_process, acc.wait_for_everyone)
         acc.wait_for_everyone()
         torch.manual_seed(t.seed)
 
