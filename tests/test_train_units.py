@@ -12,8 +12,6 @@ from stem_upcycle.training.recipe import RecipeError, load_recipe
 from stem_upcycle.training.student import attach_tables, base_model, set_blend, set_handoff
 from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagrad, SharedTables
 
-from .conftest import VOCAB, save_tiny_tokenizer
-
 
 def _reference_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, normalizer, ce_mask):
     def logits(h, w):

@@ -70,14 +70,13 @@ class Log:
                 f.write(json.dumps(record) + "\n")
 
 
-def save(trainer, step: int) -> None:
-    """Every process takes part: accelerate's `save_state` writes the model and the dense optimizer
-    (one file on one process; a shard per process under FSDP), the main process the tables."""
+def save(acc, root: Path, step: int, tables: dict, table_optimizer, tokens_seen: int, keep: int) -> None:
+    """Checkpoint `root`/step-STEP. Every process takes part: accelerate's `save_state` writes the models
+    and optimizers prepared with `acc` (one file on one process; a shard per process under FSDP), the
+    main process the tables {layer: OffloadedTable} and their optimizer's state; `keep` checkpoints stay."""
     from accelerate.utils import broadcast_object_list
 
-    acc = trainer.accelerator
     acc.wait_for_everyone()
-    root = trainer.output / "checkpoints"
     partial = [None]
     if acc.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
@@ -85,14 +84,14 @@ def save(trainer, step: int) -> None:
     partial = Path(broadcast_object_list(partial)[0] if acc.num_processes > 1 else partial[0])
     acc.save_state(str(partial / "accelerate"))
     if acc.is_main_process:
-        tables = {f"table.{i}": t.weight for i, t in trainer.tables.items()}
-        if trainer.table_optimizer is not None:
-            tables |= {f"optimizer.{k}": v for k, v in trainer.table_optimizer.state_dict().items()}
-        save_file(tables, partial / "tables.safetensors")
-        (partial / "state.json").write_text(json.dumps({"step": step, "tokens_seen": trainer.tokens_seen}))
+        tensors = {f"table.{i}": t.weight for i, t in tables.items()}
+        if table_optimizer is not None:
+            tensors |= {f"optimizer.{k}": v for k, v in table_optimizer.state_dict().items()}
+        save_file(tensors, partial / "tables.safetensors")
+        (partial / "state.json").write_text(json.dumps({"step": step, "tokens_seen": tokens_seen}))
         partial.rename(root / f"step-{step}")
         done = _complete(root)
-        for old in done[: max(0, len(done) - trainer.recipe.train.keep_checkpoints)]:
+        for old in done[: max(0, len(done) - keep)]:
             shutil.rmtree(old)
     acc.wait_for_everyone()
 
@@ -113,25 +112,19 @@ class LazyState:
         return self.file.get_tensor(self.prefix + key)
 
 
-def load_latest(trainer) -> tuple[int, int]:
-    """Restore the newest complete checkpoint; (step, tokens seen), or (0, 0) when there is none."""
-    root = trainer.output / "checkpoints"
+def load_latest(acc, root: Path, tables: dict, table_optimizer) -> tuple[int, int]:
+    """Restore the newest complete checkpoint in `root`; (step, tokens seen), or (0, 0) when there is none."""
     done = _complete(root)
     if not done:
         return 0, 0
     path = done[-1]
     state = json.loads((path / "state.json").read_text())
-    acc = trainer.accelerator
     if acc.is_local_main_process:  # the machine's one copy of the tables and their state, written once
         with safe_open(path / "tables.safetensors", "pt") as f:  # one table-sized tensor in memory at a time
-            for i, table in trainer.tables.items():
+            for i, table in tables.items():
                 table.weight.copy_(f.get_tensor(f"table.{i}"))
-            if trainer.table_optimizer is not None:
-                trainer.table_optimizer.load_state_dict(LazyState(f, "optimizer."))
+            if table_optimizer is not None:
+                table_optimizer.load_state_dict(LazyState(f, "optimizer."))
     acc.wait_for_everyone()
     acc.load_state(str(path / "accelerate"))  # the model (trainable weights among them) and the dense optimizer
-    if trainer.recipe.handoff.steps and state["step"] >= trainer.recipe.handoff.steps:
-        from .student import set_handoff
-
-        set_handoff(trainer.causal_lm, None)
     return state["step"], state["tokens_seen"]

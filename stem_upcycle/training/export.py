@@ -19,15 +19,15 @@ from ..source import open_source
 MAX_SHARD_BYTES = 5 * 10**9  # convert's default --max-shard-size
 
 
-def write_model(trainer, state: dict) -> Path:
-    """Write the trained model into trainer.output; `state`: the dense weights by name (tables come from trainer).
+def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: dict, tokens_seen: int) -> Path:
+    """Write the trained model into `out`, laid out as the converted `init_dir`; `tables`: {layer: [vocab, d_ff]},
+    `state`: the dense weights by name.
 
     Floating-point tensors are written in `model.export_dtype` (auto: the source checkpoint's dtype, so
     that a bf16 model does not come back in the fp32 its training copy was converted to)."""
-    out = trainer.output
-    init = open_source(str(trainer.init_dir))
-    dtype = resolve_dtype(trainer.recipe.model.export_dtype, trainer.source)
-    tables = {layer_name(i, STEM_TABLE): t.weight for i, t in trainer.tables.items()}
+    init = open_source(str(init_dir))
+    dtype = resolve_dtype(recipe.model.export_dtype, source)
+    tables = {layer_name(i, STEM_TABLE): t for i, t in tables.items()}
     specs = []
     for name in sorted(init.tensors.names(), key=tensor_order_key):
         value = tables.get(name, state.get(name))
@@ -46,7 +46,7 @@ def write_model(trainer, state: dict) -> Path:
             if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_NAME:
                 shutil.copyfile(path, staging / path.name)
         _set_config_dtype(staging / "config.json", dtype)
-        _add_training_card(staging / "README.md", trainer)
+        _add_training_card(staging / "README.md", out / "train_log.jsonl", recipe, tokens_seen)
         names = sorted((p.name for p in staging.iterdir()), key=lambda n: n == "config.json")  # config last
         for name in names:
             os.replace(staging / name, out / name)
@@ -64,17 +64,15 @@ def _set_config_dtype(config: Path, dtype) -> None:
     config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
-def _add_training_card(card: Path, trainer) -> None:
-    log = trainer.output / "train_log.jsonl"
+def _add_training_card(card: Path, log: Path, recipe, tokens_seen: int) -> None:
     evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval" in r] if log.exists() else []
-    recipe = trainer.recipe
     data = ", ".join(recipe.data.train) or "no text of the user's"
     if recipe.generated.tokens:
         data += (f" and {recipe.generated.tokens} tokens sampled from `{recipe.model.source}` itself "
                  f"({recipe.generated.train_share:.0%} of each batch)")
     lines = [
         "\n## Recovery training (stem-upcycle train)\n",
-        f"Trained {recipe.train.steps} steps, {trainer.tokens_seen} tokens, on {data}; "
+        f"Trained {recipe.train.steps} steps, {tokens_seen} tokens, on {data}; "
         f"trainable: {', '.join(recipe.train.trainable)}; losses: {recipe.loss.kd_weight} x KL to `{recipe.model.source}` "
         f"+ {recipe.loss.ce_weight} x cross-entropy. The recipe as run is in the training output (`recipe.yaml`).\n\n",
     ]

@@ -5,11 +5,12 @@ reads `batch_size` packed sequences, split over processes and micro-batches; the
 hidden states go through the chunked KD + CE head loss; dense parts train with AdamW (DDP / FSDP
 through accelerate), tables with a row-wise optimizer on the step's rows only (their gradients
 are averaged across processes by hand: every process gathers the same rows, those of the global
-batch). Output layout:
+batch; the tables are one shared host copy per machine, see tables.SharedTables). Output layout:
 
     OUTPUT/init/             the converted starting point (removed after export unless model.keep_init)
-    OUTPUT/checkpoints/      step-N/ with trainable weights, tables, optimizer states (removed after
-                             export unless train.keep_checkpoints_at_end)
+    OUTPUT/host-tables/      each machine's shared copy of the tables and their optimizer state while training
+    OUTPUT/checkpoints/      step-N/ with the model and dense optimizer (accelerate), tables and their
+                             optimizer state (removed after export unless train.keep_checkpoints_at_end)
     OUTPUT/recipe.yaml       the recipe as run;  OUTPUT/train_log.jsonl  one JSON object per line
     OUTPUT/*.safetensors ... the trained STEM model, written at the end
 """
@@ -30,10 +31,10 @@ from torch import nn
 
 from ..errors import UserError
 from ..loading import load_tokenizer, model_from_source
-from ..generate import GeneratedText, Sampling, as_stream
 from ..source import open_source
 from . import checkpoint, export
-from .data import MixedBatches, heldout_paths, load_data, pack_ids
+from .data import MixedBatches, load_data, pack_ids
+from .starting_point import generated_text, initial_model
 from .losses import HeadLoss, head_loss
 from .recipe import Recipe
 from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff, unwrap_lora
@@ -100,8 +101,10 @@ class Trainer:
         self.source = open_source(recipe.model.source)
         self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
         self.teacher_tokenizer = load_tokenizer(self.source)  # what generation samples with and calibration joins with
-        self.generated, self.generation_stats = self._generated_text()
-        self.init_dir = self._initial_model()
+        self.generated, self.generation_stats = generated_text(recipe, self.source, self.teacher,
+                                                               self.teacher_tokenizer, acc, progress)
+        self.init_dir = initial_model(recipe, self.source, self.teacher, self.teacher_tokenizer, self.generated, acc,
+                                      self.output, progress)
         self.tokenizer = load_tokenizer(open_source(str(self.init_dir)))
         train_text, self.heldout = load_data(recipe, self.tokenizer, acc.process_index, acc.num_processes,
                                              acc.wait_for_everyone)
@@ -150,78 +153,12 @@ class Trainer:
             self.step_module.to(acc.device)
         self.start_step, self.tokens_seen = 0, 0
         if resume:
-            self.start_step, self.tokens_seen = checkpoint.load_latest(self)
+            self.start_step, self.tokens_seen = checkpoint.load_latest(acc, self.output / "checkpoints", self.tables,
+                                                                       self.table_optimizer)
+            if recipe.handoff.steps and self.start_step >= recipe.handoff.steps:
+                set_handoff(student, None)  # the hand-off was over: W_up is dropped
 
     # -- setup ---------------------------------------------------------------------------------
-    def _generated_text(self) -> tuple[torch.Tensor | None, dict]:
-        """[n, generated.length] ids sampled from the teacher (generated once, then read from the cache), and how
-        fast this run generated them."""
-        g, acc = self.recipe.generated, self.accelerator
-        if not g.tokens:
-            return None, {}
-        length = g.length
-        sampling = Sampling(sequences=-(-g.tokens // length), length=length, batch_size=g.batch_size,
-                            first_tokens=g.first_tokens, first_top_k=g.first_top_k, temperature=g.temperature,
-                            seed=g.seed)
-        text = GeneratedText(self.source, sampling, g.cache_dir)
-        with acc.autocast():  # every process generates its share of the missing batches
-            mine = text.generate(self.teacher, self.teacher_tokenizer, acc.process_index, acc.num_processes,
-                                 progress=self.progress and acc.is_main_process)
-        acc.wait_for_everyone()
-        tokens = mine["tokens"]
-        if acc.num_processes > 1:
-            tokens = int(acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item())
-        stats = {}
-        if tokens:
-            stats = {"tokens": tokens, "seconds": mine["seconds"], "tokens_per_s": tokens / max(mine["seconds"], 1e-9)}
-            if acc.is_main_process:
-                print(f"generated {tokens} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tokens/s, "
-                      f"{acc.num_processes} process(es)) into {text.folder}", file=sys.stderr)
-        return text.load(), stats
-
-    def _initial_model(self) -> Path:
-        """The STEM checkpoint training starts from: model.init_from, or `source` converted into OUTPUT/init.
-
-        A calibrated init reads its text in every process (each a share, on its device; the sums are
-        reduced), then the main process writes the checkpoint."""
-        m, acc = self.recipe.model, self.accelerator
-        if m.init_from:
-            return Path(open_source(m.init_from).directory or m.init_from)
-        init_dir = self.output / "init"
-        if not (init_dir / "config.json").exists():
-            from ..convert import plan_conversion, run_conversion
-            from ..initialisers import INITIALISERS
-            from ..sensitivity import is_auto
-            from .data import expand_files
-
-            heldout = heldout_paths(self.recipe)
-            files = m.calib_data or self.recipe.data.train
-            calib = [str(f) for f in expand_files(files, "model.calib_data") if f not in heldout] if files else []
-            options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len,
-                       "heldout_data": [str(f) for f in heldout],  # held-out text is never calibrated on either
-                       "dense_model": self.teacher}
-            if self.generated is not None and self.recipe.generated.calib_share:
-                share = self.recipe.generated.calib_share if calib else 1.0
-                stream = as_stream(self.generated, self.teacher_tokenizer.eos_token_id)  # as training packs it
-                options["calib_generated"] = stream[: round(m.calib_tokens * share)]
-            # --layers auto scores layers on the main process alone; an explicit layer set calibrates in every one
-            split = self.world > 1 and getattr(INITIALISERS[m.init], "needs_data", False) and not is_auto(m.layers)
-            if split:
-                options["shard"] = (acc.process_index, self.world, lambda t: acc.reduce(t, reduction="sum"))
-            if split or acc.is_main_process:
-                with acc.autocast():
-                    plan = plan_conversion(self.source, layers=m.layers, init=m.init, dtype="float32",
-                                           init_options=options)
-                    if split:  # reused by the conversion below instead of calibrating again
-                        plan.init_options["calibration"] = INITIALISERS[m.init](
-                            plan, progress=self.progress and acc.is_main_process)
-            if acc.is_main_process:
-                print(plan.describe(), file=sys.stderr)
-                run_conversion(plan, init_dir, overwrite=True, progress=self.progress,
-                               command=f"stem-upcycle train (conversion of {m.source})")
-        acc.wait_for_everyone()
-        return init_dir
-
     def _teacher(self):
         dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
         return model_from_source(self.source, dtype).to(self.accelerator.device).requires_grad_(False)
@@ -372,7 +309,8 @@ class Trainer:
                             **{name: f"{e['ppl_ratio']:.2f}x" for name, e in record.get("eval", {}).items()})
             bar.update()
             if t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:
-                checkpoint.save(self, done)
+                checkpoint.save(acc, self.output / "checkpoints", done, self.tables, self.table_optimizer,
+                                self.tokens_seen, t.keep_checkpoints)
         bar.close()
         return self.export()
 
@@ -384,7 +322,8 @@ class Trainer:
         else:  # every process takes part: under FSDP this gathers the full weights on the main one
             state = {k.removeprefix("student."): v for k, v in acc.get_state_dict(self.step_module).items()}
         if acc.is_main_process:
-            export.write_model(self, state)
+            export.write_model(self.output, self.init_dir, self.source, self.recipe,
+                               {i: t.weight for i, t in self.tables.items()}, state, self.tokens_seen)
             if not (self.recipe.model.init_from or self.recipe.model.keep_init):
                 shutil.rmtree(self.init_dir, ignore_errors=True)
             if not self.recipe.train.keep_checkpoints_at_end:  # OUTPUT is then the model, ready to share

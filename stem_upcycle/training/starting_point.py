@@ -1,0 +1,83 @@
+"""What training starts from: text sampled from the teacher, and the STEM checkpoint (converted here unless given).
+
+Both run in every process of a run: generation splits its batches, a calibrated conversion its
+windows (sums reduced across processes); the main process writes the converted checkpoint.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from ..generate import GeneratedText, Sampling, as_stream
+from ..source import open_source
+from .data import expand_files, heldout_paths
+
+
+def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> tuple[torch.Tensor | None, dict]:
+    """[n, generated.length] ids sampled from the teacher (generated once, then read from the cache), and how
+    fast this run generated them."""
+    g = recipe.generated
+    if not g.tokens:
+        return None, {}
+    length = g.length
+    sampling = Sampling(sequences=-(-g.tokens // length), length=length, batch_size=g.batch_size,
+                        first_tokens=g.first_tokens, first_top_k=g.first_top_k, temperature=g.temperature,
+                        seed=g.seed)
+    text = GeneratedText(source, sampling, g.cache_dir)
+    with acc.autocast():  # every process generates its share of the missing batches
+        mine = text.generate(teacher, tokenizer, acc.process_index, acc.num_processes,
+                             progress=progress and acc.is_main_process)
+    acc.wait_for_everyone()
+    tokens = mine["tokens"]
+    if acc.num_processes > 1:
+        tokens = int(acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item())
+    stats = {}
+    if tokens:
+        stats = {"tokens": tokens, "seconds": mine["seconds"], "tokens_per_s": tokens / max(mine["seconds"], 1e-9)}
+        if acc.is_main_process:
+            print(f"generated {tokens} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tokens/s, "
+                  f"{acc.num_processes} process(es)) into {text.folder}", file=sys.stderr)
+    return text.load(), stats
+
+def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Path, progress: bool) -> Path:
+    """The STEM checkpoint training starts from: model.init_from, or `source` converted into OUTPUT/init.
+
+    A calibrated init reads its text in every process (each a share, on its device; the sums are
+    reduced), then the main process writes the checkpoint."""
+    m = recipe.model
+    if m.init_from:
+        return Path(open_source(m.init_from).directory or m.init_from)
+    init_dir = output / "init"
+    if not (init_dir / "config.json").exists():
+        from ..convert import plan_conversion, run_conversion
+        from ..initialisers import INITIALISERS
+        from ..sensitivity import is_auto
+
+        heldout = heldout_paths(recipe)
+        files = m.calib_data or recipe.data.train
+        calib = [str(f) for f in expand_files(files, "model.calib_data") if f not in heldout] if files else []
+        options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len,
+                   "heldout_data": [str(f) for f in heldout],  # held-out text is never calibrated on either
+                   "dense_model": teacher}
+        if generated is not None and recipe.generated.calib_share:
+            share = recipe.generated.calib_share if calib else 1.0
+            stream = as_stream(generated, tokenizer.eos_token_id)  # as training packs it
+            options["calib_generated"] = stream[: round(m.calib_tokens * share)]
+        # --layers auto scores layers on the main process alone; an explicit layer set calibrates in every one
+        split = acc.num_processes > 1 and getattr(INITIALISERS[m.init], "needs_data", False) and not is_auto(m.layers)
+        if split:
+            options["shard"] = (acc.process_index, acc.num_processes, lambda t: acc.reduce(t, reduction="sum"))
+        if split or acc.is_main_process:
+            with acc.autocast():
+                plan = plan_conversion(source, layers=m.layers, init=m.init, dtype="float32",
+                                       init_options=options)
+                if split:  # reused by the conversion below instead of calibrating again
+                    plan.init_options["calibration"] = INITIALISERS[m.init](
+                        plan, progress=progress and acc.is_main_process)
+        if acc.is_main_process:
+            print(plan.describe(), file=sys.stderr)
+            run_conversion(plan, init_dir, overwrite=True, progress=progress,
+                           command=f"stem-upcycle train (conversion of {m.source})")
+    acc.wait_for_everyone()
+    return init_dir
