@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .documents import read_documents
 from .errors import UserError
 
 
@@ -34,8 +35,16 @@ def parse_sets(specs: list[str]) -> dict[str, list[str]]:
 
 
 def read_token_ids(files: list[str], tokenizer, max_tokens: int | None) -> torch.Tensor:
-    text = "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    """[n] ids of the files' documents (.txt, .jsonl records, .parquet rows) joined by blank lines, at most
+    `max_tokens`: only as much text is read as that many tokens can take (16 characters a token)."""
+    budget = 16 * max_tokens if max_tokens else None
+    texts, chars = [], 0
+    for document in read_documents([Path(f) for f in files], max_chars=budget):
+        texts.append(document)
+        chars += len(document) + 2
+        if budget and chars >= budget:
+            break
+    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
     return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
 
 

@@ -115,3 +115,41 @@ def test_a_bad_record_names_its_line(corpus):
     (tmp_path / "bad.jsonl").write_text('{"text": "w1"}\nnot json\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2 is not valid JSON"):
         tokenize_corpus([tmp_path / "bad.jsonl"], tokenizer, "text", tmp_path / "cache")
+
+
+def _parquet(path, texts, row_group_size, column="text"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: texts, "id": list(range(len(texts)))}), path, row_group_size=row_group_size)
+
+
+def test_parquet_rows_are_documents_and_hub_datasets_come_from_the_local_cache(corpus, monkeypatch):
+    from stem_upcycle.evaluate import read_token_ids
+    from stem_upcycle.training.data import expand_files
+
+    tmp_path, tokenizer = corpus
+    texts = [_words(15, s, 15) for s in range(10)]
+    _parquet(tmp_path / "rows.parquet", texts, row_group_size=3)  # 4 row groups: 4 pieces
+    stream = tokenize_corpus([tmp_path / "rows.parquet"], tokenizer, "text", tmp_path / "cache")
+    expected = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [EOS]]
+    assert stream.read(0, len(stream)).tolist() == expected
+    with pytest.raises(DataError, match="has no column 'body'"):
+        tokenize_corpus([tmp_path / "rows.parquet"], tokenizer, "body", tmp_path / "cache")
+    # Calibration and eval read documents too: a .jsonl record's text, never its JSON syntax.
+    ids = read_token_ids([str(tmp_path / "a.jsonl"), str(tmp_path / "rows.parquet")], tokenizer, 6)
+    assert ids.tolist() == [1, 2, 3, 4, 5] + tokenizer(texts[0], add_special_tokens=False)["input_ids"][:1]
+
+    # A dataset already in the Hugging Face cache, as the hub lays it out.
+    hub = tmp_path / "hub"
+    snapshot = hub / "datasets--some-org--tiny-text" / "snapshots" / "abc123"
+    (snapshot / "data").mkdir(parents=True)
+    (hub / "datasets--some-org--tiny-text" / "refs").mkdir()
+    (hub / "datasets--some-org--tiny-text" / "refs" / "main").write_text("abc123")
+    _parquet(snapshot / "data" / "train-00000.parquet", texts, 3)
+    (snapshot / "README.md").write_text("# a card, not data")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert expand_files(["hf:some-org/tiny-text"], "data.train") == [snapshot / "data" / "train-00000.parquet"]
+    with pytest.raises(DataError, match="not in the local Hugging Face cache"):
+        expand_files(["hf:some-org/absent"], "data.train")

@@ -16,15 +16,42 @@ from ..generate import as_stream, cache_root
 from .tokens import DataError, Sequences, tokenize_corpus
 
 
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
 def expand_files(patterns: list[str], what: str) -> list[Path]:
-    """Files named by paths or glob patterns, in sorted order, each named once."""
+    """Files named by paths, glob patterns or `hf:ORG/NAME[/GLOB]` (a dataset in the local Hugging Face
+    cache: its .txt, .jsonl and .parquet files, or those matching GLOB), in sorted order, each named once."""
     files = []
     for pattern in patterns:
+        if pattern.startswith("hf:"):
+            files += [f for f in _cached_dataset_files(pattern, what) if f not in files]
+            continue
         found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not found or not all(Path(f).is_file() for f in found):
             raise DataError(f"{what}: {pattern!r} matches no file; check the path (relative to {Path.cwd()})")
         files += [Path(f) for f in found if Path(f) not in files]
     return files
+
+
+def _cached_dataset_files(spec: str, what: str) -> list[Path]:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    parts = spec.removeprefix("hf:").split("/", 2)
+    if len(parts) < 2:
+        raise DataError(f"{what}: {spec!r} must look like hf:ORG/NAME or hf:ORG/NAME/GLOB")
+    repo = "/".join(parts[:2])
+    try:
+        folder = Path(snapshot_download(repo, repo_type="dataset", local_files_only=True))
+    except Exception:  # huggingface_hub's errors for "not cached" vary between its versions
+        raise DataError(f"{what}: dataset {repo} is not in the local Hugging Face cache ({HF_HUB_CACHE}); nothing "
+                        f"is downloaded: copy or download it there first") from None
+    pattern = parts[2] if len(parts) == 3 else "**/*"
+    found = sorted(f for f in folder.glob(pattern) if f.is_file() and f.suffix in DATA_SUFFIXES)
+    if not found:
+        raise DataError(f"{what}: {spec!r} matches no .txt, .jsonl or .parquet file in {folder}")
+    return found
 
 
 def pack_ids(sequences: torch.Tensor, tokenizer, seq_len: int) -> Sequences:

@@ -1,8 +1,7 @@
 """Training text as token ids on disk: tokenised once, in parallel, then read a sequence at a time.
 
-A corpus (.txt files, each one document; .jsonl files, one document per record) is cut into
-pieces of about `PIECE_BYTES` at line breaks. Processes take the pieces in turns (piece i on
-process i % world); each encodes its pieces a batch at a time with the fast tokenizer, whose Rust
+A corpus (.txt, .jsonl and .parquet files, see documents.py) is cut into pieces. Processes take
+the pieces in turns (piece i on process i % world); each encodes its pieces a batch at a time with the fast tokenizer, whose Rust
 thread pool encodes the pieces of a batch in parallel, and appends the ids to a part file of its
 own. The main process then joins the parts, in piece order, into one flat file of uint16 ids
 (uint32 for vocabularies over 65,536) with EOS after every document, and writes `meta.json` last:
@@ -26,92 +25,21 @@ word of a piece differently, once per `PIECE_BYTES` of text.
 import hashlib
 import json
 import os
-import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..errors import UserError
+from ..documents import PIECE_BYTES, DataError, Piece, documents_of, plan_pieces
 
-PIECE_BYTES = 1 << 18  # text per encode call: ~80k tokens, whose encodings take ~20 MB
 BATCH_PIECES = 2 * (os.cpu_count() or 1)  # pieces encoded at once, in parallel by the tokenizer's thread pool
 FORMAT = 1  # bump when the file layout or the piece rule changes: old caches are then ignored
-TXT_CUT = re.compile(rb"\n(?=[^\s])")  # a cut point: after a newline, before a non-space byte
-JSONL_CUT = re.compile(rb"\n")
-
-
-class DataError(UserError):
-    pass
-
-
-@dataclass(frozen=True)
-class Piece:
-    path: Path
-    start: int  # byte range [start, stop) of the file
-    stop: int
-    ends_document: bool  # EOS after each of its documents (a .txt file's last piece; every .jsonl piece)
-
-
-def plan_pieces(files: list[Path], piece_bytes: int = PIECE_BYTES) -> list[Piece]:
-    """The files' byte ranges of about `piece_bytes`, cut where tokenising the parts apart changes nothing."""
-    pieces = []
-    for path in files:
-        size = path.stat().st_size
-        cut = JSONL_CUT if path.suffix == ".jsonl" else TXT_CUT
-        start = 0
-        with path.open("rb") as f:
-            while start < size:
-                stop = _next_cut(f, cut, start + piece_bytes, size)
-                pieces.append(Piece(path, start, stop, path.suffix == ".jsonl" or stop == size))
-                start = stop
-    return pieces
-
-
-def _next_cut(f, cut: re.Pattern, at: int, size: int) -> int:
-    """The first cut point at or after byte `at` (the file's end if none)."""
-    while at < size:
-        f.seek(at)
-        window = f.read(1 << 16)
-        if match := cut.search(window[:-1] if at + len(window) < size else window):  # the look-ahead needs a byte
-            return at + match.end()
-        at += max(1, len(window) - 1)
-    return size
-
-
-def _documents(piece: Piece, text_field: str) -> list[str]:
-    with piece.path.open("rb") as f:
-        f.seek(piece.start)
-        data = f.read(piece.stop - piece.start)
-    if piece.path.suffix != ".jsonl":
-        return [data.decode("utf-8", errors="replace")]
-    documents = []
-    for number, line in enumerate(data.decode("utf-8", errors="replace").split("\n")):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            where = f"{piece.path}:{_line_number(piece, number)}"
-            if record is None:
-                raise DataError(f"{where} is not valid JSON; a .jsonl file has one object per line")
-            raise DataError(f"{where} has no string field {text_field!r}; set data.text_field")
-        documents.append(record[text_field])
-    return documents
-
-
-def _line_number(piece: Piece, line_in_piece: int) -> int:
-    with piece.path.open("rb") as f:
-        return f.read(piece.start).count(b"\n") + line_in_piece + 1
 
 
 def _encode(pieces: list[Piece], tokenizer, text_field: str, eos: int) -> list[np.ndarray]:
     """Each piece's ids, EOS after each document; the pieces' documents encoded in one batch call."""
-    docs = [_documents(p, text_field) for p in pieces]
+    docs = [documents_of(p, text_field) for p in pieces]
     flat = [d for ds in docs for d in ds]
     ids = tokenizer(flat, add_special_tokens=False, return_attention_mask=False)["input_ids"] if flat else []
     out, at = [], 0
