@@ -82,9 +82,13 @@ class CalibratedInit(ClosedFormInit):
         self.means = self._calibrate(plan, self.windows, model)  # layer -> [n_seen, d_ff]
         self.projections = {layer: self._fit_projection(layer) for layer in plan.layers}
         vocab = plan.config.vocab_size
+        rank, world, _ = plan.init_options.get("shard", (0, 1, None))
+        if rank:
+            return  # the main process reports
         print(
             f"calibration: {self.windows.numel()} tokens, {self.seen.numel()} distinct "
-            f"({self.seen.numel() / vocab:.1%} of the vocabulary); unseen tokens use the ridge fit",
+            f"({self.seen.numel() / vocab:.1%} of the vocabulary)" + (f", read by {world} processes" if world > 1 else "")
+            + "; unseen tokens use the ridge fit",
             file=sys.stderr,
         )
         if heldout := plan.init_options.get("heldout_data"):  # how much of the text to be scored has calibrated rows

@@ -256,3 +256,26 @@ def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(works
     read = torch.cat([free.batches.step(s)[0][:, :-1] for s in range(4)]).unique()
     assert changed.numel() > 0 and torch.isin(changed, read).all()  # the rows of the generated text trained
     assert (workspace / "free" / "checkpoints" / "step-2").exists() and (workspace / "free" / "init" / "config.json").exists()
+
+
+def test_two_processes_split_the_calibration_of_the_conversion(workspace):
+    """A run that converts its starting point calibrates in both processes (each half the windows, sums
+    all-reduced): the converted tables equal those of one process."""
+    common = [f"model.source={workspace / 'dense'}", "model.layers=0,2", "model.calib_tokens=1024",
+              "model.calib_seq_len=32", "model.keep_init=true", f"data.train=[{workspace / 'train.txt'}]",
+              f"data.eval=[{workspace / 'heldout.txt'}]", "data.seq_len=32", "data.eval_tokens=64", "train.steps=1",
+              "train.batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", "train.warmup_steps=1"]
+    Trainer(load_recipe(None, common), workspace / "one", progress=False).run()
+    recipe = workspace / "r.yaml"
+    recipe.write_text("{}\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "stem_upcycle.cli",
+               "train", str(recipe), "--output", str(workspace / "two"), "--quiet",
+               *[w for o in common for w in ("--set", o)]]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "read by 2 processes" in run.stderr
+    a, b = (safe_open(str(next((workspace / r / "init").glob("*.safetensors"))), "pt") for r in ("one", "two"))
+    for name in ("model.layers.0.mlp.up_table.weight", "model.layers.2.mlp.up_table.weight"):
+        torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
