@@ -115,6 +115,9 @@ def test_mmap_follows_the_compute_dtype_and_never_casts_the_tables(stem_dir, ids
         torch.testing.assert_close(mapped(ids).logits, memory(ids).logits, rtol=0, atol=0)
         mapped.to(torch.float32)
         assert mapped.stem_placement.tables[0].dtype == torch.float32
+    table = mapped.stem_placement.tables[0]
+    assert torch.equal(mapped.stem_placement.read_range(0, 5, 17), table[5:17])  # one read, the mapped rows
+    assert torch.equal(mapped.stem_placement.read_rows(0, torch.tensor([16, 5])), table[[16, 5]])
 
 
 def test_device_map_auto_leaves_placed_tables_where_they_are(stem_dir, ids):

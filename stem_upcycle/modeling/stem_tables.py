@@ -253,6 +253,15 @@ class MmapTables:
             os.preadv(fd, [buffer[i * row_bytes:(i + 1) * row_bytes]], table.offset + token * row_bytes)
         return rows
 
+    def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
+        """[stop - start, d_ff] rows start..stop-1 in one positioned read (nothing is mapped)."""
+        table = self.files[layer]
+        row_bytes = table.nbytes // table.shape[0]
+        rows = torch.empty(stop - start, table.shape[1], dtype=table.dtype)
+        os.preadv(self._fds[table.path], [memoryview(rows.view(torch.uint8).numpy()).cast("B")],
+                  table.offset + start * row_bytes)
+        return rows
+
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         unique, inverse = forward.unique()
         rows = self.read_rows(layer, unique).to(dtype)  # [n_distinct, d_ff]

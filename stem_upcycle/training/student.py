@@ -10,6 +10,7 @@ What trains is chosen by name, in one declarative table (`PARTS`); LoRA adapters
 """
 
 import re
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -59,18 +60,21 @@ def attach_tables(model, device: torch.device, shared: SharedTables | None = Non
     model's memory or from the checkpoint files it was loaded with (`stem_tables="mmap"`)."""
     tables = {}
     base = base_model(model)
-    placed = base.stem_tables_placement.tables if getattr(base, "stem_tables_placement", None) else {}
+    placed = getattr(base, "stem_tables_placement", None)  # tables left in the checkpoint's files (mmap)
+    shape = (model.config.vocab_size, model.config.intermediate_size)
     for index in getattr(model.config, "stem_layers", []):  # none in a dense baseline
         mlp = base.layers[index].mlp
         if shared is None:
             tables[index] = OffloadedTable(mlp.up_table.weight.data, device)
         else:
-            source = placed[index] if index in placed else mlp.up_table.weight.data
-            weight = shared.tensor(f"table.{index}", tuple(source.shape), torch.float32,
-                                   fill=lambda start, stop, source=source: source[start:stop].float())
+            # Read from the files by positioned reads: a mapping would add the checkpoint's pages to RSS.
+            read = (partial(placed.read_range, index) if placed is not None
+                    else lambda start, stop, w=mlp.up_table.weight.data: w[start:stop])
+            weight = shared.tensor(f"table.{index}", shape, torch.float32,
+                                   fill=lambda start, stop, read=read: read(start, stop).float())
             tables[index] = OffloadedTable(weight, device, owner=(shared.local_rank, shared.local_world))
         base.layers[index].mlp = TrainingStemMLP(mlp, tables[index])
-    if placed:
+    if placed is not None:
         base.stem_tables_placement = None  # lookups go to the training tables now, not to the checkpoint
     return tables
 
