@@ -153,3 +153,26 @@ def test_parquet_rows_are_documents_and_hub_datasets_come_from_the_local_cache(c
     assert expand_files(["hf:some-org/tiny-text"], "data.train") == [snapshot / "data" / "train-00000.parquet"]
     with pytest.raises(DataError, match="not in the local Hugging Face cache"):
         expand_files(["hf:some-org/absent"], "data.train")
+
+
+def test_a_bad_record_in_one_process_share_stops_every_process(corpus):
+    """The process that meets the error tells the others at the barrier: all stop with it, none waits forever."""
+    tmp_path, tokenizer = corpus
+    lines = [f'{{"text": "w{i}"}}' for i in range(300)]
+    lines[290] = "not json"
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    barrier, errors = threading.Barrier(2, timeout=30), {}
+
+    def run(rank):
+        try:
+            tokenize_corpus([tmp_path / "bad.jsonl"], tokenizer, "text", tmp_path / "cache", rank, 2, barrier.wait,
+                            piece_bytes=200)
+        except DataError as err:
+            errors[rank] = str(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors[0] == errors[1] and "bad.jsonl:291 is not valid JSON" in errors[0]

@@ -94,21 +94,32 @@ def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, r
     done = (folder / "meta.json").exists()
     if not done:  # each process encodes pieces rank, rank + world, ... into its own part file
         staging.mkdir(parents=True, exist_ok=True)
-        pieces = plan_pieces(files, piece_bytes)
-        mine = list(range(rank, len(pieces), world))
-        counts = []
-        with (staging / f"part-{rank}.bin").open("wb") as part:
-            for at in range(0, len(mine), BATCH_PIECES):
-                batch = [pieces[i] for i in mine[at : at + BATCH_PIECES]]
-                for ids in _encode(batch, tokenizer, text_field, tokenizer.eos_token_id):
-                    part.write(ids.astype(_dtype(tokenizer)).tobytes())
-                    counts.append(int(ids.size))
-        (staging / f"part-{rank}.json").write_text(json.dumps(counts))
+        failed = staging / f"part-{rank}.error"
+        failed.unlink(missing_ok=True)
+        try:
+            _encode_share(files, tokenizer, text_field, piece_bytes, rank, world, staging)
+        except DataError as err:  # told to every process after the barrier, so that none waits for this one
+            failed.write_text(str(err))
     wait()
+    if not done and (errors := sorted(staging.glob("part-*.error"))):
+        raise DataError(errors[0].read_text())
     if not done and rank == 0:
         _join(folder, staging, world, _dtype(tokenizer))
     wait()
     return TokenFile(folder)
+
+
+def _encode_share(files, tokenizer, text_field: str, piece_bytes: int, rank: int, world: int, staging: Path) -> None:
+    pieces = plan_pieces(files, piece_bytes)
+    mine = list(range(rank, len(pieces), world))
+    counts = []
+    with (staging / f"part-{rank}.bin").open("wb") as part:
+        for at in range(0, len(mine), BATCH_PIECES):
+            batch = [pieces[i] for i in mine[at : at + BATCH_PIECES]]
+            for ids in _encode(batch, tokenizer, text_field, tokenizer.eos_token_id):
+                part.write(ids.astype(_dtype(tokenizer)).tobytes())
+                counts.append(int(ids.size))
+    (staging / f"part-{rank}.json").write_text(json.dumps(counts))
 
 
 def _join(folder: Path, staging: Path, world: int, dtype: np.dtype) -> None:
