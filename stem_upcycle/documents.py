@@ -96,7 +96,7 @@ def _parquet(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"reading {path.name} needs pyarrow: pip install pyarrow (or datasets)") from None
+        raise DataError(f"reading {path.name} needs pyarrow: pip install 'stem-upcycle[parquet]' (or pyarrow)") from None
     try:
         return pq.ParquetFile(path)
     except Exception as err:  # pyarrow's errors for a file that is not parquet have no common base
