@@ -77,6 +77,7 @@ def tiny_model(work: Path) -> tuple[Path, Path]:
 
 
 PEAK = """
+import json
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({**result, "peak_rss_gb": hwm / 2**20}))
 """
