@@ -185,10 +185,13 @@ def test_processes_sharing_the_windows_give_the_calibration_of_one(dense_with_to
 
     _, src = dense_with_tokenizer()
     options = {"calib_data": [str(calib_text(tmp_path, n=512))], "calib_seq_len": 32}
+    # A model per process, loaded here in turn: from_pretrained in two threads at once can leave
+    # Transformers' meta-device initialisation patched in for every later model.
+    models = [AutoModelForCausalLM.from_pretrained(src).eval() for _ in range(2)]
 
-    def calibrated(**extra):
+    def calibrated(model=None, **extra):
         plan = plan_conversion(open_source(str(src)), layers="0,2", init="calib", init_options={**options, **extra})
-        return calibrate_module.CalibratedInit(plan)
+        return calibrate_module.CalibratedInit(plan, model=model)
 
     one = calibrated()
     barrier, parts, results = threading.Barrier(2), {}, {}
@@ -203,7 +206,7 @@ def test_processes_sharing_the_windows_give_the_calibration_of_one(dense_with_to
         return reduce
 
     def run(rank):
-        results[rank] = calibrated(shard=(rank, 2, reduce_of(rank)))
+        results[rank] = calibrated(models[rank], shard=(rank, 2, reduce_of(rank)))
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:
