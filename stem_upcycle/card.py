@@ -14,16 +14,15 @@ UNTRAINED_WARNING = (
 
 
 def model_card(plan, command: str) -> str:
-    cfg = plan.config
-    tables = plan.table_specs
     license_ = plan.source.license or "unknown: check the base model's licence"
     # The hub reads base_model as a repository id: set only when the source is known to come from one.
     data = ModelCardData(base_model=plan.source.hub_id, library_name="transformers",
-                         license=plan.source.license or "other", tags=["stem", "stem-upcycle", cfg.dense_model_type])
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n" + _body(plan, command, cfg, tables, license_)).content
+                         license=plan.source.license or "other", tags=["stem", "stem-upcycle", plan.config.dense_model_type])
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n" + _body(plan, command, license_)).content
 
 
-def _body(plan, command, cfg, tables, license_) -> str:
+def _body(plan, command: str, license_: str) -> str:
+    cfg, tables = plan.config, plan.table_specs
     return f"""
 # STEM model upcycled from `{plan.source.spec}`
 

@@ -147,7 +147,7 @@ def inspect(path, as_json):
               help="Where a STEM model's tables live (default: the checkpoint's choice, mmap for safetensors files).")
 @click.option("--device", default="auto", show_default=True,
               help="Where the models run: auto (the GPU if there is one), cpu, cuda, cuda:N.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
               show_default=True, help="Compute dtype of both models; auto: bfloat16 on GPUs that support it, else float32.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -157,13 +157,13 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
     from tqdm.auto import tqdm
 
     from . import evaluate as ev
-    from .loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from .loading import compute_dtype, load_model, load_tokenizer, resolve_device
 
     if not specs and not facts_file:
         raise click.UsageError("give held-out text with --data [NAME=]FILE, or --facts, or both")
     sets = ev.parse_sets(list(specs))
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    dtype = compute_dtype(dtype, device)
     lm, source = load_model(model, dtype, stem_tables=tables)
     lm.to(device)
     tokenizer = load_tokenizer(source)

@@ -28,13 +28,16 @@ def resolve_device(device: str = "auto") -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on an accelerator that supports it, fp32 otherwise. fp16 is refused on the CPU (where
-    torch computes it slowly and, for some operators, not at all)."""
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype models compute in on `device` (a name of convert.DTYPES, or `auto`: bf16 on an accelerator
+    that supports it, fp32 otherwise). fp16 is refused on the CPU (where torch computes it slowly and, for
+    some operators, not at all)."""
+    from .convert import DTYPES  # not at the top: convert imports (through calibration) this module
+
     if dtype == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
-    resolved = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    resolved = DTYPES[dtype]
     if resolved == torch.float16 and device.type == "cpu":
         raise LoadError("--dtype float16 on the CPU is not supported; use bfloat16 (on CPUs with native bf16) or "
                         "float32")

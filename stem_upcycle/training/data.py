@@ -1,6 +1,6 @@
-"""Training data: text and JSON-lines files, tokenised into a cached token stream, cut into sequences.
+"""Training data: text, JSON-lines and parquet files, tokenised into a cached token stream, cut into sequences.
 
-Documents (a .txt file, or one record of a .jsonl file) are tokenised once into a file of ids on
+Documents (a .txt file, a .jsonl record, a .parquet row; see documents.py) are tokenised once into a file of ids on
 disk, joined with the EOS token between them (see tokens.py), and cut into sequences of
 `seq_len + 1` tokens (inputs and their next-token targets) read as each step needs them. The
 order is a permutation drawn from the recipe's seed, so step s reads the same sequences on every
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..generate import as_stream, cache_root
+from ..source import cached_snapshot
 from .tokens import DataError, Sequences, tokenize_corpus
 
 
@@ -35,18 +36,15 @@ def expand_files(patterns: list[str], what: str) -> list[Path]:
 
 
 def _cached_dataset_files(spec: str, what: str) -> list[Path]:
-    from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE
 
     parts = spec.removeprefix("hf:").split("/", 2)
     if len(parts) < 2:
         raise DataError(f"{what}: {spec!r} must look like hf:ORG/NAME or hf:ORG/NAME/GLOB")
     repo = "/".join(parts[:2])
-    try:
-        folder = Path(snapshot_download(repo, repo_type="dataset", local_files_only=True))
-    except Exception:  # huggingface_hub's errors for "not cached" vary between its versions
+    if (folder := cached_snapshot(repo, "dataset")) is None:
         raise DataError(f"{what}: dataset {repo} is not in the local Hugging Face cache ({HF_HUB_CACHE}); nothing "
-                        f"is downloaded: copy or download it there first") from None
+                        f"is downloaded: copy or download it there first")
     pattern = parts[2] if len(parts) == 3 else "**/*"
     found = sorted(f for f in folder.glob(pattern) if f.is_file() and f.suffix in DATA_SUFFIXES)
     if not found:

@@ -40,6 +40,7 @@ def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> t
                   f"{acc.num_processes} process(es)) into {text.folder}", file=sys.stderr)
     return text.load(), stats
 
+
 def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Path, progress: bool) -> Path:
     """The STEM checkpoint training starts from: model.init_from, or `source` converted into OUTPUT/init.
 

@@ -17,6 +17,7 @@ One host copy per machine (`SharedTables`): the tables and their optimizer state
 by every process of the machine, and each row is updated by one process only.
 """
 
+import itertools
 import math
 from pathlib import Path
 
@@ -61,7 +62,7 @@ class SharedTables:
 
     def zeros(self, name: str):
         """A `zeros(shape, dtype)` factory of shared tensors named NAME.0, NAME.1, ... for an optimizer's state."""
-        count = iter(range(1 << 30))
+        count = itertools.count()
         return lambda shape, dtype=torch.float32: self.tensor(f"{name}.{next(count)}", tuple(shape), dtype)
 
     def memory(self) -> list[float]:

@@ -15,7 +15,6 @@ batch; the tables are one shared host copy per machine, see tables.SharedTables)
     OUTPUT/*.safetensors ... the trained STEM model, written at the end
 """
 
-import json
 import math
 import os
 import resource
@@ -105,7 +104,8 @@ class Trainer:
                                                                self.teacher_tokenizer, acc, progress)
         self.init_dir = initial_model(recipe, self.source, self.teacher, self.teacher_tokenizer, self.generated, acc,
                                       self.output, progress)
-        self.tokenizer = load_tokenizer(open_source(str(self.init_dir)))
+        init = open_source(str(self.init_dir))
+        self.tokenizer = load_tokenizer(init)
         train_text, self.heldout = load_data(recipe, self.tokenizer, acc.process_index, acc.num_processes,
                                              acc.wait_for_everyone)
         generated = None if self.generated is None else pack_ids(self.generated, self.tokenizer, recipe.data.seq_len)
@@ -114,7 +114,7 @@ class Trainer:
 
         from transformers import AutoModelForCausalLM
 
-        is_stem = json.loads((self.init_dir / "config.json").read_text()).get("model_type") == "stem"
+        is_stem = init.config.model_type == "stem"
         # The tables stay in the checkpoint's files until attach_tables copies them into the shared host copy.
         student = AutoModelForCausalLM.from_pretrained(self.init_dir, dtype=torch.float32,
                                                        **({"stem_tables": "mmap"} if is_stem else {}))
