@@ -8,6 +8,7 @@ import click
 
 from .card import UNTRAINED_WARNING
 from .convert import DTYPES
+from .editing import MODES
 from .errors import UserError
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS
@@ -130,6 +131,83 @@ def inspect(path, as_json):
 
     summary = summarize(open_source(path))
     click.echo(json.dumps(summary.as_dict()) if as_json else summary.describe())
+
+
+@main.command()
+@click.argument("model")
+@click.option("--swap", "swaps", multiple=True, metavar="SOURCE=TARGET",
+              help="Make the tokens of SOURCE read the STEM rows of TARGET (entities as text, e.g. Spain=Germany); "
+                   "repeat for several.")
+@click.option("--mode", type=click.Choice(list(MODES)), default="auto", show_default=True,
+              help="Which target rows each source token reads when their token counts differ: "
+                   + "; ".join(f"{k}: {v}" for k, v in MODES.items()) + ".")
+@click.option("--layers", "layer_spec", default=None,
+              help="Edit only these STEM layers (a list 0,4,8-11, a slice or all); default: every STEM layer.")
+@click.option("--prompt", help="Generate from TEXT before and after the run-time edit (rows replaced at the "
+                               "entity's positions only) and print both; writes nothing.")
+@click.option("--occurrences", type=click.Choice(["all", "last"]), default="all", show_default=True,
+              help="With --prompt: edit every occurrence of SOURCE in the prompt, or the last one only.")
+@click.option("--max-new-tokens", default=20, show_default=True, help="With --prompt: greedy tokens generated.")
+@click.option("--output", type=click.Path(file_okay=False),
+              help="Write the persistently edited model here (MODEL is never modified); the rows replaced are "
+                   "kept in it for --undo.")
+@click.option("--undo", is_flag=True, help="Restore an edited MODEL's tables, config and card as they were before "
+                                           "its first edit (in place, or into --output).")
+@click.option("--tables", type=click.Choice(["memory", "mmap", "host"]), default=None,
+              help="With --prompt: where the tables live (default: the checkpoint's choice).")
+@_fail_cleanly
+def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, output, undo, tables):
+    """Knowledge editing of the STEM model MODEL: the tokens of an entity read another's table rows.
+
+    Without --prompt or --output, prints the token spans each swap maps and writes nothing.
+    """
+    from . import editing
+    from .layers import parse_layers
+    from .loading import load_tokenizer
+    from .source import open_source
+
+    if undo:
+        if swaps or prompt:
+            raise click.UsageError("--undo takes no --swap or --prompt")
+        count = editing.undo_edits(open_source(model).directory or model, output)
+        click.echo(f"undid {count} edit(s): {output or model} holds the unedited tables")
+        return
+    if prompt and output:
+        raise click.UsageError("--prompt shows a run-time edit and writes nothing; drop --output, or --prompt")
+    source = open_source(model)
+    config = source.config
+    stem_layers = editing.stem_layers_of(config)
+    layers = None if layer_spec is None else editing.check_layers(parse_layers(layer_spec, config.num_hidden_layers),
+                                                                  stem_layers)
+    tokenizer = load_tokenizer(source)
+    plan = editing.plan_edit(tokenizer, config, swaps, mode, layers)
+    if prompt:  # errors before any output
+        editing.find_occurrences(tokenizer, prompt, plan, occurrences)
+    if output:
+        editing.check_output(output)
+    click.echo(plan.describe(tokenizer))
+    if prompt:
+        from .loading import model_from_source
+
+        lm = model_from_source(source, stem_tables=tables)
+        before = editing.generate(lm, tokenizer, prompt, max_new_tokens)
+        with editing.runtime_edit(lm, tokenizer, prompt, plan, occurrences) as found:
+            after = editing.generate(lm, tokenizer, prompt, max_new_tokens)
+        where = "; ".join(f"{o.swap} at chars {o.chars[0]}-{o.chars[1]}, tokens {list(o.positions)}" for o in found)
+        click.echo(f"edited: {where}")
+        width = max(len("prompt"), len("after edit"))
+        for label, text in (("prompt", prompt), ("before", before), ("after edit", after)):
+            click.echo(f"{label:<{width}} | {text!r}")
+    elif output:
+        if source.directory is None:
+            raise click.UsageError(f"{model} is not a checkpoint directory; a persistent edit copies one")
+        command = " ".join(shlex.quote(w) for w in ["stem-upcycle", "edit", *sys.argv[2:]]) if sys.argv[1:2] == [
+            "edit"] else ""
+        editing.write_edited_model(source.directory, output, plan, tokenizer, command=command)
+        click.echo(f"wrote {output} (undo with: stem-upcycle edit {shlex.quote(output)} --undo)")
+    else:
+        click.echo("nothing written: add --prompt TEXT to see the edit at run time, or --output DIR to write an "
+                   "edited model")
 
 
 @main.command("eval")

@@ -23,6 +23,7 @@ class Summary:
     ffn_flops_per_token: int  # this checkpoint
     bytes_on_disk: int
     placements: dict  # STEM only: placement -> {"device": bytes, "host": bytes} of weights, as stored
+    edits: list  # knowledge edits recorded by `stem-upcycle edit` (config.json `stem_edits`)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -46,6 +47,9 @@ class Summary:
             for name, need in self.placements.items():
                 lines.append(f"  {name:<7} device {need['device'] / 1e9:6.2f} GB   host RAM {need['host'] / 1e9:6.2f} GB"
                              f"   {PLACEMENT_NOTES[name]}")
+        for number, edit in enumerate(self.edits, 1):
+            lines.append(f"{'edits' if number == 1 else '':<16} {number}. {', '.join(edit['swaps'])} (mode {edit['mode']}, "
+                         f"layers {edit['layers']}; undo: stem-upcycle edit PATH --undo)")
         return "\n".join(lines)
 
 
@@ -101,4 +105,5 @@ def summarize(source: Source) -> Summary:
         ffn_flops_per_token=flops,
         bytes_on_disk=source.files_bytes,
         placements=placement_memory(dense_bytes, table_bytes, row_bytes) if is_stem else {},
+        edits=list(getattr(cfg, "stem_edits", None) or []),
     )

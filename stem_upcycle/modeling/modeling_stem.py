@@ -27,7 +27,7 @@ from transformers.models.auto import modeling_auto
 import transformers
 
 from .configuration_stem import StemConfig
-from .stem_tables import IdHandoff, PlacedTable, StemTablesError, check_ids, open_tables
+from .stem_tables import IdHandoff, PlacedTable, RowEdit, StemTablesError, cached_length, check_ids, open_tables
 
 HUB_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "subfolder")
 
@@ -36,7 +36,7 @@ class MemoryTable(nn.Embedding):
     """The `memory` placement of a table: an ordinary parameter (named `up_table.weight`), as training needs."""
 
     def forward(self, forward, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return super().forward(forward.on(self.weight.device)).to(device, dtype)  # [batch, seq, d_ff]
+        return super().forward(forward.on(self.weight.device)).to(device, dtype)  # [*lookup, d_ff]
 
 
 def _resized_table(table: MemoryTable, embedding: torch.Tensor, old: int, new: int) -> MemoryTable:
@@ -67,24 +67,28 @@ class StemMLP(nn.Module):
     The one STEM MLP of inference, training and layer scoring; what differs is `up_table`, the
     source of the rows: a `MemoryTable`, a `PlacedTable` (rows read from the checkpoint files or host memory),
     the trainer's offloaded table, or calibrated rows. Each is called as
-    `up_table(forward_ids, device, dtype) -> [batch, seq, d_ff]`.
+    `up_table(forward_ids, device, dtype) -> [*lookup, d_ff]`, the rows of the forward's lookup ids:
+    its input ids, or those and a run-time edit's target ids (`ForwardIds.edited` puts them in place).
     """
 
-    def __init__(self, gate_proj: nn.Module, down_proj: nn.Module, act_fn, up_table, token_ids: IdHandoff):
+    def __init__(self, gate_proj: nn.Module, down_proj: nn.Module, act_fn, up_table, token_ids: IdHandoff,
+                 layer: int | None = None):
         super().__init__()
         self.gate_proj, self.down_proj, self.act_fn = gate_proj, down_proj, act_fn
         self.up_table = up_table
         self.token_ids = token_ids
+        self.layer = layer  # the decoder layer's index, which run-time edits name
 
     @classmethod
-    def from_config(cls, config: StemConfig, up_table, token_ids: IdHandoff) -> "StemMLP":
+    def from_config(cls, config: StemConfig, up_table, token_ids: IdHandoff, layer: int) -> "StemMLP":
         bias = config.stem_mlp_bias
         gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         down = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        return cls(gate, down, ACT2FN[config.stem_activation], up_table, token_ids)
+        return cls(gate, down, ACT2FN[config.stem_activation], up_table, token_ids, layer)
 
     def up(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up_table(self.token_ids.current(x), x.device, x.dtype)  # [batch, seq, d_ff]
+        forward = self.token_ids.current(x)
+        return forward.edited(self.up_table(forward, x.device, x.dtype), self.layer)  # [batch, seq, d_ff]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up(x))  # [batch, seq, d]
@@ -100,7 +104,8 @@ def _start_forward(module, args, kwargs):
             "cannot be used with a STEM model)"
         )
     check_ids(ids, module.config.vocab_size)
-    forward = module.stem_token_ids.start(ids)
+    edit = module.stem_row_edit  # a run-time knowledge edit, if one is set
+    forward = module.stem_token_ids.start(ids, edit.for_forward(ids, cached_length(kwargs)) if edit else None)
     if module.stem_tables_placement is not None:
         module.stem_tables_placement.begin(forward)
 
@@ -175,13 +180,14 @@ class _StemDispatch:
         # MLPs of the STEM layers are replaced and the id hooks are installed on the base model.
         base = self.base_model
         base.stem_token_ids = IdHandoff()
+        base.stem_row_edit = None
         placement = base.stem_tables_placement = getattr(_loading, "placement", None)
         for index in self.config.stem_layers:
             if placement is None:
                 table = MemoryTable(self.config.vocab_size, self.config.intermediate_size)
             else:
                 table = PlacedTable(placement, index)
-            base.layers[index].mlp = StemMLP.from_config(self.config, table, base.stem_token_ids)
+            base.layers[index].mlp = StemMLP.from_config(self.config, table, base.stem_token_ids, index)
         if placement is not None:
             placement.mlps = {i: base.layers[i].mlp for i in self.config.stem_layers}
         base.register_forward_pre_hook(_start_forward, with_kwargs=True)
@@ -202,6 +208,30 @@ class _StemDispatch:
     def stem_tables(self) -> str:
         """Where the tables live: "memory", "mmap" or "host"."""
         return "memory" if self.stem_placement is None else self.stem_placement.name
+
+    def set_stem_row_edit(self, edit: RowEdit | None) -> None:
+        """Edit the rows that forwards look up (a run-time knowledge edit; None: none). The weights stay
+        as they are; see `RowEdit`."""
+        layers = set(edit.layers or ()) - set(self.config.stem_layers) if edit is not None else ()
+        if layers:
+            raise StemTablesError(f"layers {sorted(layers)} are not STEM layers; this model's are {self.config.stem_layers}")
+        self.base_model.stem_row_edit = edit
+
+    def stem_table_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """[n, d_ff] rows of `ids` [n] in the table of STEM layer `layer`, as stored, wherever it is placed."""
+        return self._table_of(layer).read_rows(layer, ids.cpu())
+
+    def set_stem_table_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Make `rows` [n, d_ff] the rows of `ids` [n] in the table of STEM layer `layer` (a persistent
+        knowledge edit of the loaded model): a parameter's rows are written; placed tables keep them
+        in memory over their files (mmap) or write host memory and drop the rows from the device
+        cache (host), so that no read serves the old rows."""
+        self._table_of(layer).set_rows(layer, ids.cpu(), rows)
+
+    def _table_of(self, layer: int):
+        if layer not in self.config.stem_layers:
+            raise StemTablesError(f"layer {layer} is not a STEM layer; this model's are {self.config.stem_layers}")
+        return self.stem_placement or _MemoryRows(self.base_model.layers)
 
     def resize_token_embeddings(self, *args, **kwargs):
         # Difference from the dense family: the tables grow (or shrink) with the embedding, so that
@@ -225,6 +255,22 @@ class _StemDispatch:
             raise StemTablesError(f"this model's tables are placed with stem_tables={self.stem_tables!r} and are not "
                                   f"in its state dict; load it with stem_tables='memory' to save it, or copy its files")
         return super().save_pretrained(*args, **kwargs)
+
+
+class _MemoryRows:
+    """Row access to tables placed in memory (parameters), as placed tables offer it."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.layers[layer].mlp.up_table.weight
+        return weight.detach()[ids.to(weight.device)]
+
+    @torch.no_grad()
+    def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        weight = self.layers[layer].mlp.up_table.weight
+        weight[ids.to(weight.device)] = rows.to(weight.device, weight.dtype)
 
 
 class StemPreTrainedModel(_StemDispatch, PreTrainedModel):

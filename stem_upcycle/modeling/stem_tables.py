@@ -10,7 +10,9 @@
 
 A forward's ids travel from the base model's pre-hook to the STEM MLPs in a `ForwardIds`, kept per
 thread (`IdHandoff`), which also holds the copies the row sources need (on each device, on the
-CPU, distinct ids) so that each is made once per forward.
+CPU, distinct ids) so that each is made once per forward. A run-time edit (`RowEdit`) adds the ids
+whose rows replace those of some positions to the ids a forward looks up, so that every placement
+serves them as it serves the rest (a device row cache included).
 
 Exported next to the weights, so it imports only torch, transformers and the standard library.
 """
@@ -41,18 +43,29 @@ class StemTablesError(ValueError):
 
 
 class ForwardIds:
-    """The input ids of one forward [batch, seq] and the copies made of them, each made once."""
+    """The input ids of one forward [batch, seq], the ids its tables are read at, and the copies made
+    of those, each made once.
 
-    def __init__(self, ids: torch.Tensor):
+    Without an edit the lookup ids are the input ids. With one (`ForwardEdit`), they are the input
+    ids flattened [batch * seq] followed by the edit's target ids [m]: the placements read those rows
+    like any other, and `edited` puts them in place."""
+
+    def __init__(self, ids: torch.Tensor, edit: "ForwardEdit | None" = None):
         self.ids = ids
-        self._on = {ids.device: ids}
+        self.edit = edit
+        lookup = ids if edit is None else torch.cat([ids.flatten(), edit.target_ids.flatten().to(ids.device)])
+        self._on = {lookup.device: lookup}
         self._unique = None
         self.plan = None  # what a placement prepared for this forward (host: slots or staged rows)
 
+    @property
+    def lookup(self) -> torch.Tensor:
+        return self._on[next(iter(self._on))]
+
     def on(self, device: torch.device) -> torch.Tensor:
-        """The ids on `device` (a split model's layers sit on several devices)."""
+        """The lookup ids on `device` (a split model's layers sit on several devices)."""
         if device not in self._on:
-            self._on[device] = self.ids.to(device, non_blocking=True)
+            self._on[device] = self.lookup.to(device, non_blocking=True)
         return self._on[device]
 
     @property
@@ -60,10 +73,79 @@ class ForwardIds:
         return self.on(torch.device("cpu"))
 
     def unique(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sorted distinct ids, index of each position into them), on the CPU."""
+        """(sorted distinct lookup ids, index of each lookup into them), on the CPU."""
         if self._unique is None:
             self._unique = torch.unique(self.cpu, return_inverse=True)
         return self._unique
+
+    def edited(self, rows: torch.Tensor, layer: int | None) -> torch.Tensor:
+        """The rows [batch, seq, d_ff] of the input ids from the rows read at the lookup ids; at the
+        edit's positions, in the layers it edits, the weighted sums of its target rows instead."""
+        if self.edit is None:
+            return rows
+        batch, seq = self.ids.shape
+        own, extra = rows[: batch * seq].view(batch, seq, -1), rows[batch * seq :]  # [b, s, d_ff], [m, d_ff]
+        if not self.edit.edits(layer):
+            return own
+        target = extra.view(*self.edit.target_ids.shape, -1)  # [n, k, d_ff]
+        weights = self.edit.weights.to(target.device, target.dtype)[..., None]  # [n, k, 1]
+        own = own.clone()
+        own[:, self.edit.positions.to(own.device)] = (target * weights).sum(1)  # every batch row alike
+        return own
+
+
+@dataclass(frozen=True)
+class ForwardEdit:
+    """The part of a `RowEdit` that falls in one forward: positions counted from its first token."""
+
+    positions: torch.Tensor  # [n]
+    target_ids: torch.Tensor  # [n, k]
+    weights: torch.Tensor  # [n, k]
+    layers: frozenset | None
+
+    def edits(self, layer: int | None) -> bool:
+        return self.layers is None or layer in self.layers
+
+
+@dataclass(frozen=True)
+class RowEdit:
+    """A run-time edit of the rows a STEM model looks up: at some positions of a sequence, the
+    weighted sum of other ids' rows replaces the row of the id there, in some STEM layers. Input ids,
+    tables and every other position are untouched. Set on a model with `model.stem_row_edit(edit)`.
+
+    Positions count from the sequence's first token, so the edit follows a prompt through a KV cache:
+    the forward reading positions p..p+s-1 (p: tokens already cached) edits those that fall there,
+    after checking that the input holds the edit's source ids at them."""
+
+    positions: torch.Tensor  # [n] distinct positions in the sequence
+    source_ids: torch.Tensor  # [n] the ids the input holds there
+    target_ids: torch.Tensor  # [n, k] ids whose rows, weighted, replace the row at each position
+    weights: torch.Tensor  # [n, k] (0 for the padding of positions that read fewer than k ids)
+    layers: frozenset | None = None  # STEM layers edited; None: all
+
+    def for_forward(self, ids: torch.Tensor, past: int) -> ForwardEdit | None:
+        """The edit of a forward of `ids` [batch, seq] after `past` cached tokens; None if it edits none."""
+        inside = (self.positions >= past) & (self.positions < past + ids.shape[1])
+        if not bool(inside.any()):
+            return None
+        local = self.positions[inside] - past
+        found = ids[:, local.to(ids.device)].cpu()  # [batch, n]: a copy per edited forward (the prompt's)
+        if not bool((found == self.source_ids[inside]).all()):
+            raise ValueError(f"the row edit expects ids {self.source_ids[inside].tolist()} at positions "
+                             f"{self.positions[inside].tolist()} and the input holds {found[0].tolist()}: "
+                             f"the input is not the prompt the edit was made for")
+        return ForwardEdit(local, self.target_ids[inside], self.weights[inside], self.layers)
+
+
+def cached_length(kwargs: dict) -> int:
+    """Tokens already in the KV cache a decoder forward was given (`cache` in Transformers 5,
+    `past_key_values` before)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None:
+        return 0
+    if hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length())
+    return int(cache[0][0].shape[-2]) if len(cache) else 0  # legacy tuple of (key, value) per layer
 
 
 class IdHandoff:
@@ -78,8 +160,8 @@ class IdHandoff:
         self._local = threading.local()
         self._latest = None
 
-    def start(self, ids: torch.Tensor) -> ForwardIds:
-        forward = ForwardIds(ids)
+    def start(self, ids: torch.Tensor, edit: ForwardEdit | None = None) -> ForwardIds:
+        forward = ForwardIds(ids, edit)
         self._local.current = self._latest = forward
         return forward
 
@@ -228,6 +310,9 @@ class MmapTables:
     would map most of every table. A read copies the row alone: RSS grows by the rows gathered,
     and repeated rows come from the page cache. The whole table is still available as a read-only
     memory map (`table`), for code that wants to scan it.
+
+    The files are never written: rows set on a loaded model (`set_rows`, a knowledge edit) are kept
+    in memory and shadow the files' rows in every read but the whole-table maps.
     """
 
     name = "mmap"
@@ -241,6 +326,7 @@ class MmapTables:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
                 weakref.finalize(self, os.close, fd)
         self._maps = {}
+        self.overlay = {}  # layer -> {id: row set on the loaded model}
 
     def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """[n, d_ff] rows of the ids `ids` [n], in the table's dtype, read from the file."""
@@ -249,8 +335,12 @@ class MmapTables:
         rows = torch.empty(ids.numel(), table.shape[1], dtype=table.dtype)
         buffer = memoryview(rows.view(torch.uint8).numpy()).cast("B")
         fd = self._fds[table.path]
+        overlay = self.overlay.get(layer, {})
         for i, token in enumerate(ids.tolist()):
-            os.preadv(fd, [buffer[i * row_bytes:(i + 1) * row_bytes]], table.offset + token * row_bytes)
+            if token in overlay:
+                rows[i] = overlay[token]
+            else:
+                os.preadv(fd, [buffer[i * row_bytes:(i + 1) * row_bytes]], table.offset + token * row_bytes)
         return rows
 
     def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
@@ -260,7 +350,16 @@ class MmapTables:
         rows = torch.empty(stop - start, table.shape[1], dtype=table.dtype)
         os.preadv(self._fds[table.path], [memoryview(rows.view(torch.uint8).numpy()).cast("B")],
                   table.offset + start * row_bytes)
+        for token, row in self.overlay.get(layer, {}).items():
+            if start <= token < stop:
+                rows[token - start] = row
         return rows
+
+    def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows of `ids` [n] from now on: `rows` [n, d_ff], held in memory (the files stay as they are)."""
+        overlay = self.overlay.setdefault(layer, {})
+        for token, row in zip(ids.tolist(), rows.to("cpu", self.files[layer].dtype)):
+            overlay[token] = row.clone()
 
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         unique, inverse = forward.unique()
@@ -327,6 +426,10 @@ class HostTables:
             slots = slots[self.owner[slots] >= 0] if ids is None else slots[slots >= 0]
             self.slot_of[self.owner[slots]] = -1
             self.owner[slots] = -1
+
+    def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """[n, d_ff] rows of `ids` [n] from host memory, in the table's dtype."""
+        return self.tables[layer][ids.cpu()]
 
     def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows of a host table; the cache forgets them."""

@@ -1,0 +1,499 @@
+"""Knowledge editing: what a STEM model's tables hold for one entity, read at another's tokens.
+
+A STEM layer reads one row per token id, so what the model "knows" about an entity sits in the rows
+of the entity's tokens. A swap `SOURCE=TARGET` makes the source's tokens read the target's rows:
+
+- at run time (`runtime_edit`, weights untouched): at the positions where SOURCE stands in one
+  prompt, found from the tokenizer's offsets, the looked-up rows are replaced; the input ids and
+  every other position are unchanged;
+- persistently (`apply_edit` on a loaded model, `write_edited_model` on checkpoint files): the rows
+  of the source's tokens themselves become the target's, so every occurrence reads them.
+
+An entity is tokenised in both spellings a text can hold it in: at the start of a text and after a
+space (" Spain"), each mapped to the same spelling of the target. When the two spellings differ in
+length, `MODES` say which target rows each source token reads (the STEM authors' harness modes).
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import UserError
+from .modeling.stem_tables import RowEdit, StemTablesError, TableFile, checkpoint_files, locate_tables
+
+MODES = {
+    "auto": "one_to_one when source and target have as many tokens, else average",
+    "one_to_one": "source token i reads target token i (equal lengths only)",
+    "average": "every source token reads the mean of the target's rows",
+    "copy": "source token i reads target token i mod the target's length (the target's rows cycled)",
+    "left_pad": "the target right-aligned: padding tokens first, a longer target keeps its last tokens",
+    "right_pad": "the target left-aligned: padding tokens last, a longer target keeps its first tokens",
+}
+OCCURRENCES = ("all", "last")
+EDITS_FOLDER = "stem-edits"  # in an edited model: one safetensors record per edit, with the rows it replaced
+
+
+class EditError(UserError):
+    pass
+
+
+# --- what a swap maps ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Swap:
+    source: str
+    target: str
+
+    @classmethod
+    def parse(cls, text: str) -> "Swap":
+        source, sep, target = text.partition("=")
+        if not sep or not source.strip() or not target.strip():
+            raise EditError(f"--swap {text!r} is not SOURCE=TARGET; e.g. --swap Spain=Germany")
+        return cls(source.strip(), target.strip())
+
+    def __str__(self) -> str:
+        return f"{self.source}={self.target}"
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """One spelling of an entity (at a text's start, or after a space) and its token ids."""
+
+    text: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """Which target rows each token of one spelling of the source reads after the edit."""
+
+    source: Spelling
+    target: Spelling
+    mode: str  # the mode applied (auto resolved)
+    reads: tuple[tuple[tuple[int, float], ...], ...]  # per source token: (target id, weight), ...
+
+
+@dataclass(frozen=True)
+class EditPlan:
+    swaps: tuple[Swap, ...]
+    mode: str
+    maps: tuple[RowMap, ...]
+    layers: tuple[int, ...]  # the STEM layers edited
+
+    def new_rows(self) -> dict[int, tuple[tuple[int, float], ...]]:
+        """Source token id -> what it reads, for a persistent edit (the first map naming an id wins)."""
+        reads = {}
+        for row_map in self.maps:
+            for token, read in zip(row_map.source.ids, row_map.reads):
+                reads.setdefault(token, read)
+        return reads
+
+    def conflicts(self) -> list[int]:
+        """Source ids that two maps would have read differently (the first is kept; see `new_rows`)."""
+        seen, clashes = {}, []
+        for row_map in self.maps:
+            for token, read in zip(row_map.source.ids, row_map.reads):
+                if seen.setdefault(token, read) != read and token not in clashes:
+                    clashes.append(token)
+        return clashes
+
+    def describe(self, tokenizer) -> str:
+        lines = []
+        for row_map in self.maps:
+            src, tgt = row_map.source, row_map.target
+            lines.append(f"{src.text!r} {_tokens(tokenizer, src.ids)} -> {tgt.text!r} {_tokens(tokenizer, tgt.ids)}"
+                         f"  ({row_map.mode})")
+        if clashes := self.conflicts():
+            lines.append(f"note: tokens {_tokens(tokenizer, clashes)} belong to several spellings that map them "
+                         f"differently; a persistent edit keeps the first mapping")
+        lines.append(f"STEM layers edited: {list(self.layers)}")
+        return "\n".join(lines)
+
+
+def _tokens(tokenizer, ids) -> str:
+    return "[" + ", ".join(repr(tokenizer.convert_ids_to_tokens(int(i))) for i in ids) + "]"
+
+
+def spellings(tokenizer, entity: str) -> list[Spelling]:
+    """The entity's token ids at the start of a text and after a space, from the tokenizer's offsets
+    (one spelling where both give the same ids)."""
+    found = []
+    for text, start in ((entity, 0), ("a " + entity, 1)):  # "a ": any word, so that the entity follows a space
+        ids = _span_ids(tokenizer, text, start, len(text))
+        if not ids:
+            raise EditError(f"{entity!r} tokenises to nothing; give an entity with visible text")
+        if all(s.ids != tuple(ids) for s in found):
+            found.append(Spelling(text[start:], tuple(ids)))
+    return found
+
+
+def _span_ids(tokenizer, text: str, start: int, end: int, **kwargs) -> list[int]:
+    """Ids of the tokens of `text` whose characters overlap [start, end)."""
+    encoded = _encode(tokenizer, text, add_special_tokens=False, **kwargs)
+    return [i for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if a < end and b > start and b > a]
+
+
+def _encode(tokenizer, text: str, **kwargs) -> dict:
+    if not getattr(tokenizer, "is_fast", False):
+        raise EditError("editing finds an entity's tokens from the tokenizer's offsets, which only fast tokenizers "
+                        "give; load the model's tokenizer.json (a fast tokenizer)")
+    return tokenizer(text, return_offsets_mapping=True, **kwargs)
+
+
+def map_tokens(source_ids, target_ids, mode: str, pad_id: int) -> tuple[str, tuple]:
+    """(mode applied, per source token the (target id, weight) pairs it reads)."""
+    n, m = len(source_ids), len(target_ids)
+    if mode == "auto":
+        mode = "one_to_one" if n == m else "average"
+    if mode == "one_to_one":
+        if n != m:
+            raise EditError(f"--mode one_to_one needs as many target tokens as source tokens ({m} vs {n}); use "
+                            f"--mode auto, average, copy, left_pad or right_pad")
+        reads = [[(t, 1.0)] for t in target_ids]
+    elif mode == "average":
+        reads = [[(t, 1.0 / m) for t in target_ids]] * n
+    elif mode == "copy":
+        reads = [[(target_ids[i % m], 1.0)] for i in range(n)]
+    elif mode == "left_pad":
+        aligned = [pad_id] * (n - m) + list(target_ids[-n:])
+        reads = [[(t, 1.0)] for t in aligned]
+    elif mode == "right_pad":
+        aligned = list(target_ids[:n]) + [pad_id] * (n - m)
+        reads = [[(t, 1.0)] for t in aligned]
+    else:
+        raise EditError(f"--mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
+    return mode, tuple(tuple(r) for r in reads)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The padding of the pad modes: the pad token, else EOS, else BOS (as the authors' harness does)."""
+    for token in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id):
+        if token is not None:
+            return int(token)
+    raise EditError("the tokenizer has no pad, EOS or BOS token to pad with; use --mode average or copy")
+
+
+def plan_edit(tokenizer, config, swaps, mode: str = "auto", layers=None) -> EditPlan:
+    """The rows each swap maps, for the STEM model of `config` (a dense config is refused)."""
+    stem_layers = stem_layers_of(config)
+    layers = tuple(stem_layers if layers is None else check_layers(layers, stem_layers))
+    swaps = tuple(s if isinstance(s, Swap) else Swap.parse(s) for s in swaps)
+    if not swaps:
+        raise EditError("nothing to edit: give at least one --swap SOURCE=TARGET")
+    maps = []
+    for swap in swaps:
+        sources, targets = spellings(tokenizer, swap.source), spellings(tokenizer, swap.target)
+        for i, source in enumerate(sources):
+            target = targets[min(i, len(targets) - 1)]  # the same spelling of the target
+            pad = pad_token_id(tokenizer) if mode.endswith("_pad") else -1
+            applied, reads = map_tokens(source.ids, target.ids, mode, pad)
+            maps.append(RowMap(source, target, applied, reads))
+    return EditPlan(swaps, mode, tuple(maps), layers)
+
+
+def stem_layers_of(config) -> list[int]:
+    if getattr(config, "model_type", None) != "stem" or not getattr(config, "stem_layers", None):
+        raise EditError("this is a dense checkpoint: it has no STEM tables to edit; convert it first with "
+                        "`stem-upcycle convert`")
+    return list(config.stem_layers)
+
+
+def check_layers(layers, stem_layers) -> list[int]:
+    if bad := sorted(set(layers) - set(stem_layers)):
+        raise EditError(f"layer {bad[0]} is not a STEM layer; this model's STEM layers are {stem_layers}")
+    return sorted(set(layers))
+
+
+# --- at run time -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Occurrence:
+    """Where a source entity stands in a prompt: characters, token positions, the map its tokens use."""
+
+    swap: Swap
+    chars: tuple[int, int]
+    positions: tuple[int, ...]
+    row_map: RowMap
+
+
+def find_occurrences(tokenizer, prompt: str, plan: EditPlan, which: str = "all") -> list[Occurrence]:
+    """The occurrences of each swap's source in `prompt` (tokenised as the model reads it), from the
+    tokenizer's offsets: the tokens covering the entity's characters must be one of its spellings
+    (so "Spain" inside "Spaniard" is no occurrence). `which`: all, or the last one of each source."""
+    if which not in OCCURRENCES:
+        raise EditError(f"occurrences={which!r}: choose one of {', '.join(OCCURRENCES)}")
+    encoded = _encode(tokenizer, prompt)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    found = []
+    for swap in plan.swaps:
+        maps = [m for m in plan.maps if m.source in spellings(tokenizer, swap.source)]
+        mine = []
+        start = prompt.find(swap.source)
+        while start >= 0:
+            end = start + len(swap.source)
+            # the tokens overlapping the entity, the space before it included
+            begin = start - 1 if start and prompt[start - 1] == " " else start
+            positions = [p for p, (a, b) in enumerate(offsets) if b > a and a < end and b > begin]
+            covered = tuple(ids[p] for p in positions)
+            row_map = next((m for m in maps if m.source.ids == covered), None)
+            if row_map is not None:
+                mine.append(Occurrence(swap, (start, end), tuple(positions), row_map))
+            start = prompt.find(swap.source, start + 1)
+        if not mine:
+            raise EditError(f"{swap.source!r} does not occur in the prompt as a word of its own; the run-time edit "
+                            f"replaces rows at the entity's positions, so the prompt must contain it")
+        found.extend(mine[-1:] if which == "last" else mine)
+    return found
+
+
+def row_edit(occurrences: list[Occurrence], layers) -> RowEdit:
+    """The `RowEdit` replacing the rows at the occurrences' positions."""
+    positions, sources, reads = [], [], []
+    for occ in occurrences:
+        for position, token, read in zip(occ.positions, occ.row_map.source.ids, occ.row_map.reads):
+            if position not in positions:
+                positions.append(position)
+                sources.append(token)
+                reads.append(read)
+    k = max(len(r) for r in reads)
+    target_ids = torch.tensor([[t for t, _ in r] + [r[0][0]] * (k - len(r)) for r in reads])  # [n, k]
+    weights = torch.tensor([[w for _, w in r] + [0.0] * (k - len(r)) for r in reads], dtype=torch.float32)
+    return RowEdit(torch.tensor(positions), torch.tensor(sources), target_ids, weights, frozenset(layers))
+
+
+@contextmanager
+def runtime_edit(model, tokenizer, prompt: str, plan: EditPlan, occurrences: str = "all"):
+    """Within the block, forwards of `prompt` (and generation from it) read the target's rows at the
+    source's positions; yields the occurrences edited. Weights and input ids are untouched."""
+    found = find_occurrences(tokenizer, prompt, plan, occurrences)
+    model.set_stem_row_edit(row_edit(found, plan.layers))
+    try:
+        yield found
+    finally:
+        model.set_stem_row_edit(None)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, new_tokens: int) -> str:
+    """The greedy continuation of `prompt`."""
+    inputs = tokenizer(prompt, return_tensors="pt", return_token_type_ids=False).to(model.device)
+    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+# --- persistent ------------------------------------------------------------------------------------
+
+
+def edited_rows(plan: EditPlan, read_rows) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per edited layer: (source ids [n], their rows now [n, d_ff], their rows after the edit), every
+    new row computed from the rows before the edit (so swaps in both directions exchange rows).
+    `read_rows(layer, ids) -> [n, d_ff]` in the table's dtype."""
+    reads = plan.new_rows()
+    sources = torch.tensor(sorted(reads))
+    needed = sorted({t for r in reads.values() for t, _ in r} | set(reads))
+    result = {}
+    for layer in plan.layers:
+        rows = dict(zip(needed, read_rows(layer, torch.tensor(needed))))
+        new = torch.stack([sum(w * rows[t].float() for t, w in reads[s]) for s in sources.tolist()])
+        old = torch.stack([rows[s] for s in sources.tolist()])
+        result[layer] = (sources, old, new.to(old.dtype))
+    return result
+
+
+def apply_edit(model, plan: EditPlan) -> dict:
+    """Edit the tables of a loaded model (any placement); returns what `revert_edit` needs."""
+    changes = edited_rows(plan, model.stem_table_rows)
+    for layer, (ids, _, new) in changes.items():
+        model.set_stem_table_rows(layer, ids, new)
+    return changes
+
+
+def revert_edit(model, changes: dict) -> None:
+    for layer, (ids, old, _) in changes.items():
+        model.set_stem_table_rows(layer, ids, old)
+
+
+def _table_files(folder: Path, config, layers) -> dict[int, TableFile]:
+    files = checkpoint_files(str(folder), {})
+    if files is None:
+        raise EditError(f"{folder} holds no safetensors files; a persistent edit patches the tables' rows in place "
+                        f"of safetensors shards")
+    names = {}
+    for layer in layers:
+        suffix = f"layers.{layer}.mlp.up_table.weight"
+        names[layer] = next((n for n in files if n.endswith(suffix)), f"model.{suffix}")
+    try:
+        return locate_tables(files, names, (config.vocab_size, config.intermediate_size))
+    except StemTablesError as err:
+        raise EditError(str(err)) from None
+
+
+def _read_rows(table: TableFile, ids: torch.Tensor) -> torch.Tensor:
+    row_bytes = table.nbytes // table.shape[0]
+    rows = torch.empty(len(ids), table.shape[1], dtype=table.dtype)
+    with open(table.path, "rb") as f:
+        for i, token in enumerate(ids.tolist()):
+            f.seek(table.offset + token * row_bytes)
+            f.readinto(memoryview(rows[i].view(torch.uint8).numpy()).cast("B"))
+    return rows
+
+
+def _write_rows(path: Path, table: TableFile, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    row_bytes = table.nbytes // table.shape[0]
+    with open(path, "r+b") as f:
+        for token, row in zip(ids.tolist(), rows.to(table.dtype)):
+            f.seek(table.offset + token * row_bytes)
+            f.write(row.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _link_or_copy(src, dst) -> None:
+    """Unchanged files are hard-linked (no bytes written), copied where linking cannot be done.
+    Nothing here ever writes into a file in place, so a link cannot carry a change back to MODEL."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: str = "") -> dict:
+    """A complete copy of the STEM model in `model_dir` at `out_dir` whose tables read the target's
+    rows at the source's tokens. Shards without edited rows are linked (or copied); a shard with
+    some is copied and those rows are overwritten in the copy. The rows replaced, config.json and
+    README.md are kept in `out_dir/stem-edits/`, so that `undo_edits` restores the tables byte for
+    byte without `model_dir`. Nothing appears at `out_dir` unless all of it was written."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    check_output(out_dir)
+    from transformers import PretrainedConfig
+
+    tables = _table_files(model_dir, PretrainedConfig.from_dict(config), plan.layers)
+    changes = edited_rows(plan, lambda layer, ids: _read_rows(tables[layer], ids))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        edited_files = {Path(tables[layer].path).name for layer in changes}
+        shutil.copytree(model_dir, work, dirs_exist_ok=True, symlinks=False,
+                        copy_function=lambda s, d: (shutil.copyfile if Path(s).name in edited_files and
+                                                    Path(s).parent == model_dir else _link_or_copy)(s, d))
+        for layer, (ids, _, new) in changes.items():
+            _write_rows(work / Path(tables[layer].path).name, tables[layer], ids, new)
+        record = _record_edit(work, config, plan, changes, tables, tokenizer, command)
+        os.replace(work, out_dir) if out_dir.exists() else work.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return record
+
+
+def check_output(out_dir: Path) -> None:
+    """Refuse an output folder that holds anything (MODEL included), before anything is written."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise EditError(f"{out_dir} exists and is not empty; choose a new directory for the edited model "
+                        f"(an edit never modifies MODEL)")
+
+
+def _record_edit(folder: Path, config: dict, plan: EditPlan, changes: dict, tables, tokenizer, command: str) -> dict:
+    """Keep the rows replaced (and the config and card as they were) in folder/stem-edits/, list the
+    edit in config.json (`stem_edits`) and in the model card."""
+    edits = list(config.get("stem_edits", []))
+    record_name = f"{EDITS_FOLDER}/edit-{len(edits) + 1:03d}.safetensors"
+    readme = folder / "README.md"
+    tensors = {}
+    for layer, (ids, old, _) in changes.items():
+        tensors[f"{layer}.ids"], tensors[f"{layer}.rows"] = ids.clone(), old.contiguous()  # one ids tensor per layer
+    metadata = {"config.json": (folder / "config.json").read_text(),
+                "README.md": readme.read_text() if readme.exists() else "",
+                "files": json.dumps({str(layer): Path(tables[layer].path).name for layer in changes})}
+    (folder / EDITS_FOLDER).mkdir(exist_ok=True)
+    save_file(tensors, folder / record_name, metadata=metadata)
+    entry = {"swaps": [str(s) for s in plan.swaps], "mode": plan.mode, "layers": list(plan.layers),
+             "tokens": [{"source": m.source.text, "source_ids": list(m.source.ids), "target": m.target.text,
+                         "target_ids": list(m.target.ids), "mode": m.mode} for m in plan.maps],
+             "rows_replaced": record_name, "command": command}
+    config = {**config, "stem_edits": edits + [entry]}
+    # Through a new file: config.json and README.md may be links to MODEL's, which must not change.
+    _replace_text(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    card = metadata["README.md"]
+    if "## Knowledge edits" not in card:
+        card += ("\n## Knowledge edits\n\nThe tables of this model were edited by `stem-upcycle edit`: the rows of "
+                 "the source tokens are the target's (in the STEM layers named). `stem-upcycle edit THIS_FOLDER "
+                 "--undo` restores the tables as they were, byte for byte, from the rows kept in "
+                 f"`{EDITS_FOLDER}/`.\n\n| # | swaps | mode | layers |\n|---|---|---|---|\n")
+    card += f"| {len(edits) + 1} | {', '.join(entry['swaps'])} | {plan.mode} | {list(plan.layers)} |\n"
+    _replace_text(readme, card)
+    return entry
+
+
+def list_edits(config) -> list[dict]:
+    return list(getattr(config, "stem_edits", None) or (config.get("stem_edits", []) if isinstance(config, dict) else []))
+
+
+def undo_edits(model_dir, out_dir=None) -> int:
+    """Restore the tables, config.json and README.md of an edited model as they were before its
+    first edit, from the records in stem-edits/ (the unedited model need not exist). In place when
+    `out_dir` is None (each file replaced whole, never written into); else into a new `out_dir`.
+    Returns the number of edits undone."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    edits = config.get("stem_edits") or []
+    if not edits:
+        raise EditError(f"{model_dir} records no edit (config.json has no stem_edits); nothing to undo")
+    records = [model_dir / e["rows_replaced"] for e in edits]
+    if missing := [r for r in records if not r.is_file()]:
+        raise EditError(f"{missing[0]} is missing: the rows that edit replaced are gone, so it cannot be undone")
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        check_output(out_dir)
+    target = model_dir if out_dir is None else Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-",
+                                                                      dir=out_dir.parent))
+    try:
+        if out_dir is not None:
+            shutil.copytree(model_dir, target, dirs_exist_ok=True, copy_function=_link_or_copy,
+                            ignore=lambda d, names: [EDITS_FOLDER] if Path(d) == model_dir else [])
+        from transformers import PretrainedConfig
+
+        touched = {}
+        for record in reversed(records):  # the last edit first: each record holds the rows before it
+            with safe_open(record, "pt") as f:
+                files = json.loads(f.metadata()["files"])
+                for layer, name in files.items():
+                    if name not in touched:  # a fresh copy, so that a linked file is never written into
+                        touched[name] = target / f".{name}.restoring"
+                        shutil.copyfile(model_dir / name, touched[name])
+                    table = _table_files(model_dir, PretrainedConfig.from_dict(config), [int(layer)])[int(layer)]
+                    _write_rows(touched[name], table, f.get_tensor(f"{layer}.ids"), f.get_tensor(f"{layer}.rows"))
+        for name, restored in touched.items():
+            os.replace(restored, target / name)
+        with safe_open(records[0], "pt") as f:
+            first = f.metadata()
+        _replace_text(target / "config.json", first["config.json"])
+        if first["README.md"]:
+            _replace_text(target / "README.md", first["README.md"])
+        else:
+            (target / "README.md").unlink(missing_ok=True)
+        shutil.rmtree(target / EDITS_FOLDER, ignore_errors=True)  # last: an interrupted undo can be run again
+        if out_dir is not None:
+            target.rename(out_dir) if not out_dir.exists() else os.replace(target, out_dir)
+    except BaseException:
+        if out_dir is not None:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    return len(edits)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.restoring")
+    temporary.write_text(text)
+    os.replace(temporary, path)

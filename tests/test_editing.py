@@ -1,0 +1,216 @@
+"""Knowledge editing: run-time and persistent swaps of table rows, undo, and their errors."""
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stem_upcycle import editing
+from stem_upcycle.cli import main
+from stem_upcycle.editing import EditError, Swap, plan_edit
+
+from .conftest import save_tiny_tokenizer
+from .test_model import tiny_stem
+from .test_placement import host_on_cpu  # noqa: F401  (a fixture)
+
+PROMPT = "w1 w5 w2 w3 w5 w4"  # "w5" (id 5) at positions 1 and 4
+
+
+@pytest.fixture
+def stem_dir(tmp_path):
+    """A tiny STEM model (layers 0 and 2) in several shards, with the word-level tokenizer (wN is id N)."""
+    model = tiny_stem("llama", layers=(0, 2))
+    path = tmp_path / "model"
+    model.save_pretrained(path, max_shard_size="40KB")
+    save_tiny_tokenizer(path)
+    return path
+
+
+def load(path, placement="memory", **kwargs):
+    return AutoModelForCausalLM.from_pretrained(path, stem_tables=placement, **kwargs).eval()
+
+
+def ids_of(text):
+    return torch.tensor([[int(w[1:]) for w in text.split()]])
+
+
+def files_digest(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def up_rows(model, ids):
+    """Per STEM layer, the rows [seq, d_ff] its MLP multiplies the gate with, for `ids` [1, seq]."""
+    seen = {}
+
+    def keep(layer):
+        return lambda mlp, args, out: seen.__setitem__(layer, mlp.up(args[0])[0].clone())
+
+    hooks = [model.model.layers[i].mlp.register_forward_hook(keep(i)) for i in model.config.stem_layers]
+    with torch.no_grad():
+        logits = model(ids).logits
+    for hook in hooks:
+        hook.remove()
+    return seen, logits
+
+
+def test_each_length_mode_gives_the_rows_it_promises(stem_dir):
+    model, tokenizer = load(stem_dir), AutoTokenizer.from_pretrained(stem_dir)
+    with torch.no_grad():  # row v holds v everywhere: which rows a source token reads is then visible
+        for layer in model.config.stem_layers:
+            weight = model.model.layers[layer].mlp.up_table.weight
+            weight.copy_(torch.arange(weight.shape[0], dtype=torch.float32)[:, None].expand_as(weight))
+    pad = tokenizer.eos_token_id  # the tiny tokenizer has no pad token: EOS pads
+    source, target = "w10 w11 w12", {"long": "w20 w21 w22 w23", "short": "w30 w31", "same": "w40 w41 w42"}
+    expected = {  # per mode and target: the value of each source token's row after the edit
+        ("one_to_one", "same"): [40, 41, 42],
+        ("auto", "same"): [40, 41, 42],
+        ("auto", "short"): [30.5, 30.5, 30.5],
+        ("average", "long"): [21.5, 21.5, 21.5],
+        ("copy", "short"): [30, 31, 30],
+        ("copy", "long"): [20, 21, 22],
+        ("left_pad", "short"): [pad, 30, 31],
+        ("left_pad", "long"): [21, 22, 23],
+        ("right_pad", "short"): [30, 31, pad],
+        ("right_pad", "long"): [20, 21, 22],
+    }
+    for (mode, which), values in expected.items():
+        plan = plan_edit(tokenizer, model.config, [Swap(source, target[which])], mode)
+        changes = editing.apply_edit(model, plan)
+        for layer in model.config.stem_layers:
+            rows = model.stem_table_rows(layer, torch.tensor([10, 11, 12]))
+            assert torch.equal(rows, torch.tensor(values, dtype=rows.dtype)[:, None].expand_as(rows)), (mode, which)
+        editing.revert_edit(model, changes)
+        assert model.stem_table_rows(0, torch.tensor([10, 11, 12]))[:, 0].tolist() == [10, 11, 12]
+    with pytest.raises(EditError, match="one_to_one needs as many"):
+        plan_edit(tokenizer, model.config, [Swap(source, target["short"])], "one_to_one")
+
+
+@pytest.mark.parametrize("placement", ["memory", "mmap", "host"])
+def test_run_time_edit_equals_the_persistent_edit_and_leaves_other_positions_bit_identical(
+        stem_dir, placement, host_on_cpu):  # noqa: F811
+    model, tokenizer = load(stem_dir, placement, stem_cache_rows=16), AutoTokenizer.from_pretrained(stem_dir)
+    ids = ids_of(PROMPT)
+    plain_rows, plain = up_rows(model, ids)
+    plan = plan_edit(tokenizer, model.config, ["w5=w9"])
+    with editing.runtime_edit(model, tokenizer, PROMPT, plan) as found:
+        assert [o.positions for o in found] == [(1,), (4,)]
+        rows, runtime = up_rows(model, ids)
+    for layer in model.config.stem_layers:
+        target = plain_rows[layer].new_tensor(model.stem_table_rows(layer, torch.tensor([9]))[0])
+        keep = torch.tensor([p not in (1, 4) for p in range(ids.shape[1])])
+        assert torch.equal(rows[layer][keep], plain_rows[layer][keep])  # bit-identical outside the entity
+        assert torch.equal(rows[layer][1], target) and torch.equal(rows[layer][4], target)
+    assert torch.equal(runtime[0, 0], plain[0, 0])  # the position before the entity: untouched
+    assert not torch.allclose(runtime[0, 1:], plain[0, 1:])  # the edit is seen after it
+    assert model.base_model.stem_row_edit is None  # gone after the block
+    assert torch.equal(up_rows(model, ids)[1], plain)
+
+    changes = editing.apply_edit(model, plan)  # the persistent edit of the loaded model
+    assert torch.equal(up_rows(model, ids)[1], runtime)  # identical logits
+    editing.revert_edit(model, changes)
+    assert torch.equal(up_rows(model, ids)[1], plain)  # and no stale row (the host cache forgot them)
+
+
+def test_run_time_edit_follows_the_prompt_through_the_kv_cache_and_last_occurrence_only(stem_dir):
+    model, tokenizer = load(stem_dir, "mmap"), AutoTokenizer.from_pretrained(stem_dir)
+    ids = ids_of(PROMPT)
+    plan = plan_edit(tokenizer, model.config, ["w5=w9"])
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with editing.runtime_edit(model, tokenizer, PROMPT, plan):
+        cached = model.generate(ids, **kwargs)
+        uncached = model.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(cached.sequences[:, :ids.shape[1]], ids)  # input ids unchanged
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), rtol=1e-5, atol=1e-5)
+
+    plain_rows, _ = up_rows(model, ids)
+    with editing.runtime_edit(model, tokenizer, PROMPT, plan, occurrences="last") as found:
+        assert [o.positions for o in found] == [(4,)]
+        rows, _ = up_rows(model, ids)
+    assert torch.equal(rows[0][:4], plain_rows[0][:4]) and not torch.equal(rows[0][4], plain_rows[0][4])
+    with editing.runtime_edit(model, tokenizer, PROMPT, plan), pytest.raises(ValueError, match="not the prompt"):
+        model(ids_of("w1 w6 w2 w3 w5 w4"))  # another input: refused, not edited at the wrong tokens
+
+
+def test_layers_subset_edits_only_those_layers(stem_dir):
+    model, tokenizer = load(stem_dir), AutoTokenizer.from_pretrained(stem_dir)
+    ids = ids_of(PROMPT)
+    plain_rows, _ = up_rows(model, ids)
+    with editing.runtime_edit(model, tokenizer, PROMPT, plan_edit(tokenizer, model.config, ["w5=w9"], layers=[2])):
+        rows, _ = up_rows(model, ids)
+    assert torch.equal(rows[0], plain_rows[0]) and not torch.equal(rows[2], plain_rows[2])
+
+
+def test_persistent_edit_writes_a_new_model_and_undo_restores_every_file_byte_for_byte(stem_dir, tmp_path):
+    before = files_digest(stem_dir)
+    edited, again = tmp_path / "edited", tmp_path / "edited-twice"
+    run = CliRunner().invoke(main, ["edit", str(stem_dir), "--swap", "w5=w9", "--output", str(edited)])
+    assert run.exit_code == 0, run.output
+    assert "'w5' ['w5'] -> 'w9' ['w9']" in run.output
+    assert files_digest(stem_dir) == before  # MODEL untouched
+    index = json.loads((stem_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    table_shards = {index[f"model.layers.{i}.mlp.up_table.weight"] for i in (0, 2)}
+    for shard in set(index.values()):
+        linked = os.stat(stem_dir / shard).st_ino == os.stat(edited / shard).st_ino
+        assert linked == (shard not in table_shards), shard  # unchanged shards linked, edited ones copied
+    # the written model reads the target's rows at the source's tokens, like a live persistent edit
+    model, tokenizer = load(stem_dir), AutoTokenizer.from_pretrained(stem_dir)
+    editing.apply_edit(model, plan_edit(tokenizer, model.config, ["w5=w9"]))
+    ids = ids_of(PROMPT)
+    for placement in ("memory", "mmap"):
+        assert torch.equal(up_rows(load(edited, placement), ids)[1], up_rows(model, ids)[1])
+    config = json.loads((edited / "config.json").read_text())
+    assert config["stem_edits"][0]["swaps"] == ["w5=w9"] and "w5=w9" in (edited / "README.md").read_text()
+    inspect = CliRunner().invoke(main, ["inspect", str(edited)])
+    assert "edits" in inspect.output and "w5=w9" in inspect.output
+
+    # a second edit on the edited model, then MODEL removed: undo still restores the original bytes
+    run = CliRunner().invoke(main, ["edit", str(edited), "--swap", "w9=w5", "--swap", "w7=w8", "--output", str(again)])
+    assert run.exit_code == 0, run.output
+    shutil.rmtree(stem_dir)
+    run = CliRunner().invoke(main, ["edit", str(again), "--undo"])
+    assert run.exit_code == 0, run.output
+    assert "undid 2 edit(s)" in run.output
+    assert files_digest(again) == before
+    restored = tmp_path / "restored"
+    run = CliRunner().invoke(main, ["edit", str(edited), "--undo", "--output", str(restored)])
+    assert run.exit_code == 0, run.output
+    assert files_digest(restored) == before and "stem_edits" in (edited / "config.json").read_text()
+
+
+def test_prompt_prints_before_and_after_and_writes_nothing(stem_dir):
+    before = files_digest(stem_dir)
+    run = CliRunner().invoke(main, ["edit", str(stem_dir), "--swap", "w5=w9", "--prompt", PROMPT,
+                                    "--max-new-tokens", "4"])
+    assert run.exit_code == 0, run.output
+    lines = run.output.splitlines()
+    assert any(line.startswith("before") for line in lines) and any(line.startswith("after edit") for line in lines)
+    assert "tokens [1]" in run.output and "tokens [4]" in run.output
+    assert files_digest(stem_dir) == before
+
+
+def test_editing_errors_are_one_line(stem_dir, dense_dir, tmp_path):
+    _, dense = dense_dir()
+    save_tiny_tokenizer(dense)
+    cases = [
+        (["edit", str(dense), "--swap", "w5=w9"], "dense checkpoint"),
+        (["edit", str(stem_dir), "--swap", "w5=w9", "--layers", "1"], "layer 1 is not a STEM layer"),
+        (["edit", str(stem_dir), "--swap", "w5=w9", "--prompt", "w1 w2"], "does not occur in the prompt"),
+        (["edit", str(stem_dir), "--swap", "w5"], "is not SOURCE=TARGET"),
+        (["edit", str(stem_dir), "--swap", "w5=w9", "--output", str(stem_dir)], "not empty"),
+        (["edit", str(stem_dir), "--undo"], "records no edit"),
+        (["edit", str(stem_dir), "--swap", "w10 w11=w12", "--mode", "one_to_one"], "one_to_one needs"),
+    ]
+    for args, message in cases:
+        run = CliRunner().invoke(main, args)
+        assert run.exit_code == 1 and message in run.output, (args, run.output)
+        assert len(run.output.strip().splitlines()) == 1, run.output
+    tokenizer = AutoTokenizer.from_pretrained(stem_dir)
+    with pytest.raises(EditError, match="tokenises to nothing"):
+        plan_edit(tokenizer, load(stem_dir).config, [Swap("w5", " ")])
