@@ -123,14 +123,83 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
 @main.command()
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--tables", "table_stats", is_flag=True,
+              help="Statistics of a STEM model's table rows per layer: norms and the angular spread (|cos| between "
+                   "rows, over a seeded sample).")
+@click.option("--sample", default=2048, show_default=True, help="With --tables: rows (and positions) sampled.")
+@click.option("--seed", default=0, show_default=True, help="With --tables: seed of the sample.")
+@click.option("--reference", help="With --tables: the dense parent, whose up-projection outputs W_up x on --text get "
+                                  "the same statistic.")
+@click.option("--text", "text_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="With --tables: text (.txt, .jsonl, .parquet) for the rows of its tokens and, with --reference, "
+                   "for W_up x; repeat for several files.")
+@click.option("--text-tokens", default=8192, show_default=True, help="With --text: tokens read, at most.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="With --tables: also write histograms of |cos| per layer to this PNG (needs matplotlib: "
+                   "pip install 'stem-upcycle[plot]').")
+@click.option("--nearest", metavar="TOKEN", help="List the tokens whose rows in --layer lie closest (cosine) to "
+                                                 "TOKEN's: one token as written (e.g. ' Spain') or id:N.")
+@click.option("--layer", type=int, help="With --nearest: the STEM layer.")
+@click.option("--top", default=10, show_default=True, help="With --nearest: how many tokens.")
 @_fail_cleanly
-def inspect(path, as_json):
-    """Family, layers, STEM layers, parameters, FFN FLOPs per token, size, and memory under each table placement."""
+def inspect(path, as_json, table_stats, sample, seed, reference, text_files, text_tokens, plot_path, nearest, layer,
+            top):
+    """Family, layers, STEM layers, parameters, FFN FLOPs per token, size, memory under each table placement,
+    knowledge edits; with --tables or --nearest, what the table rows look like."""
     from .source import open_source
     from .summary import summarize
 
-    summary = summarize(open_source(path))
-    click.echo(json.dumps(summary.as_dict()) if as_json else summary.describe())
+    source = open_source(path)
+    if nearest is not None:
+        click.echo(_nearest(source, nearest, layer, top, as_json))
+    elif table_stats:
+        click.echo(_table_statistics(source, sample, seed, reference, text_files, text_tokens, plot_path, as_json))
+    else:
+        if any((reference, text_files, plot_path, layer is not None)):
+            raise click.UsageError("--reference, --text, --plot and --layer go with --tables or --nearest")
+        summary = summarize(source)
+        click.echo(json.dumps(summary.as_dict()) if as_json else summary.describe())
+
+
+def _nearest(source, token, layer, top, as_json) -> str:
+    from .loading import load_tokenizer, stem_tables
+    from .table_stats import nearest_rows, token_id
+
+    if layer is None:
+        raise click.UsageError(f"--nearest needs --layer L, one of the STEM layers {getattr(source.config, 'stem_layers', [])}")
+    tables = stem_tables(source, [layer])
+    tokenizer = load_tokenizer(source)
+    query = token_id(tokenizer, token)
+    found = nearest_rows(tables, layer, query, top)
+    rows = [{"id": i, "token": tokenizer.convert_ids_to_tokens(i), "cos": round(c, 4)} for i, c in found]
+    if as_json:
+        return json.dumps({"token": query, "layer": layer, "nearest": rows})
+    lines = [f"rows nearest to {tokenizer.convert_ids_to_tokens(query)!r} (id {query}) in layer {layer}, by cosine:"]
+    lines += [f"{r['cos']:7.4f}  {r['token']!r} (id {r['id']})" for r in rows]
+    return "\n".join(lines)
+
+
+def _table_statistics(source, sample, seed, reference, text_files, text_tokens, plot_path, as_json) -> str:
+    from . import table_stats
+    from .evaluate import read_token_ids
+    from .loading import load_model, load_tokenizer, stem_tables
+
+    tables = stem_tables(source)
+    if reference and not text_files:
+        raise click.UsageError("--reference needs --text: the dense up-projection outputs are read on a text")
+    text_ids = read_token_ids(list(text_files), load_tokenizer(source), text_tokens) if text_files else None
+    stats = table_stats.table_statistics(tables, sample, seed, text_ids)
+    dense = None
+    if reference:
+        dense_model, _ = load_model(reference)
+        if dense_model.config.model_type == "stem":
+            raise click.UsageError(f"--reference {reference} is a STEM model; give the dense parent")
+        dense = table_stats.dense_up_spread(dense_model, text_ids, sorted(stats["layers"]), sample, seed)
+    if plot_path:
+        table_stats.plot(stats, dense, plot_path, f"|cos| between rows: {source.spec}")
+    if as_json:
+        return json.dumps({**stats, "dense_up": dense})
+    return table_stats.describe(stats, dense) + (f"\nwrote {plot_path}" if plot_path else "")
 
 
 @main.command()

@@ -27,7 +27,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import UserError
-from .modeling.stem_tables import RowEdit, StemTablesError, TableFile, checkpoint_files, locate_tables
+from .loading import stem_tables
+from .modeling.stem_tables import RowEdit, TableFile
+from .source import open_source
 
 MODES = {
     "auto": "one_to_one when source and target have as many tokens, else average",
@@ -324,31 +326,6 @@ def revert_edit(model, changes: dict) -> None:
         model.set_stem_table_rows(layer, ids, old)
 
 
-def _table_files(folder: Path, config, layers) -> dict[int, TableFile]:
-    files = checkpoint_files(str(folder), {})
-    if files is None:
-        raise EditError(f"{folder} holds no safetensors files; a persistent edit patches the tables' rows in place "
-                        f"of safetensors shards")
-    names = {}
-    for layer in layers:
-        suffix = f"layers.{layer}.mlp.up_table.weight"
-        names[layer] = next((n for n in files if n.endswith(suffix)), f"model.{suffix}")
-    try:
-        return locate_tables(files, names, (config.vocab_size, config.intermediate_size))
-    except StemTablesError as err:
-        raise EditError(str(err)) from None
-
-
-def _read_rows(table: TableFile, ids: torch.Tensor) -> torch.Tensor:
-    row_bytes = table.nbytes // table.shape[0]
-    rows = torch.empty(len(ids), table.shape[1], dtype=table.dtype)
-    with open(table.path, "rb") as f:
-        for i, token in enumerate(ids.tolist()):
-            f.seek(table.offset + token * row_bytes)
-            f.readinto(memoryview(rows[i].view(torch.uint8).numpy()).cast("B"))
-    return rows
-
-
 def _write_rows(path: Path, table: TableFile, ids: torch.Tensor, rows: torch.Tensor) -> None:
     row_bytes = table.nbytes // table.shape[0]
     with open(path, "r+b") as f:
@@ -375,10 +352,9 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = json.loads((model_dir / "config.json").read_text())
     check_output(out_dir)
-    from transformers import PretrainedConfig
-
-    tables = _table_files(model_dir, PretrainedConfig.from_dict(config), plan.layers)
-    changes = edited_rows(plan, lambda layer, ids: _read_rows(tables[layer], ids))
+    placed = stem_tables(open_source(str(model_dir)), plan.layers)
+    tables = placed.files
+    changes = edited_rows(plan, placed.read_rows)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
@@ -462,8 +438,7 @@ def undo_edits(model_dir, out_dir=None) -> int:
         if out_dir is not None:
             shutil.copytree(model_dir, target, dirs_exist_ok=True, copy_function=_link_or_copy,
                             ignore=lambda d, names: [EDITS_FOLDER] if Path(d) == model_dir else [])
-        from transformers import PretrainedConfig
-
+        tables = stem_tables(open_source(str(model_dir))).files
         touched = {}
         for record in reversed(records):  # the last edit first: each record holds the rows before it
             with safe_open(record, "pt") as f:
@@ -472,8 +447,8 @@ def undo_edits(model_dir, out_dir=None) -> int:
                     if name not in touched:  # a fresh copy, so that a linked file is never written into
                         touched[name] = target / f".{name}.restoring"
                         shutil.copyfile(model_dir / name, touched[name])
-                    table = _table_files(model_dir, PretrainedConfig.from_dict(config), [int(layer)])[int(layer)]
-                    _write_rows(touched[name], table, f.get_tensor(f"{layer}.ids"), f.get_tensor(f"{layer}.rows"))
+                    _write_rows(touched[name], tables[int(layer)], f.get_tensor(f"{layer}.ids"),
+                                f.get_tensor(f"{layer}.rows"))
         for name, restored in touched.items():
             os.replace(restored, target / name)
         with safe_open(records[0], "pt") as f:
