@@ -110,3 +110,43 @@ def test_short_recovery_run_on_smollm2_lowers_held_out_perplexity(english, tmp_p
                                        "--window", "256", "--json", "--quiet"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["sets"]["heldout"]["ppl"] < 2 * first["ref_ppl"]
+
+
+def test_knowledge_edit_of_smollm2_run_time_equals_persistent_and_undo_restores_the_files(converted, tmp_path):
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stem_upcycle import editing
+
+    def digest(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+    before = digest(converted)
+    edited = tmp_path / "edited"
+    run = CliRunner().invoke(main, ["edit", str(converted), "--swap", "Spain=Germany", "--output", str(edited)])
+    assert run.exit_code == 0, run.output
+    assert "' Spain' ['ĠSpain'] -> ' Germany' ['ĠGermany']" in run.output  # one token each: the tokenizer's spans
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    prompt = "Madrid is in Spain, and the capital of Spain is"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(converted).eval()
+    plan = editing.plan_edit(tokenizer, model.config, ["Spain=Germany"])
+    with torch.no_grad():
+        plain = model(ids).logits
+        with editing.runtime_edit(model, tokenizer, prompt, plan) as found:
+            runtime = model(ids).logits
+        persistent = AutoModelForCausalLM.from_pretrained(edited).eval()(ids).logits
+    assert len(found) == 2
+    first = found[0].positions[0]
+    assert torch.equal(runtime, persistent)  # a single-token entity: identical logits
+    assert torch.equal(runtime[0, :first], plain[0, :first]) and not torch.equal(runtime[0, first:], plain[0, first:])
+    assert digest(converted) == before
+    assert CliRunner().invoke(main, ["edit", str(edited), "--undo"]).exit_code == 0
+    assert digest(edited) == before  # every file as converted, byte for byte
+
+    spread = json.loads(CliRunner().invoke(main, ["inspect", str(converted), "--tables", "--sample", "256",
+                                                  "--json"]).stdout)
+    assert spread["sample"] == 256 and sorted(int(k) for k in spread["layers"]) == list(range(0, 30, 3))
+    assert all(0 <= s["spread"]["P5"] <= s["spread"]["P50"] <= s["spread"]["P95"] <= 1 for s in spread["layers"].values())
