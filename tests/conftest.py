@@ -70,6 +70,14 @@ def dense_dir(tmp_path):
 
 
 @pytest.fixture
+def host_on_cpu(monkeypatch):
+    """The `host` placement's code, run with the CPU as its device (streams are then no-ops)."""
+    from stem_upcycle.modeling import stem_tables
+
+    monkeypatch.setattr(stem_tables, "accelerator_available", lambda: True)
+
+
+@pytest.fixture
 def ids():
     torch.manual_seed(1)
     return torch.randint(0, VOCAB, (2, 11))

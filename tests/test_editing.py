@@ -16,7 +16,6 @@ from stem_upcycle.editing import EditError, Swap, plan_edit
 
 from .conftest import save_tiny_tokenizer
 from .test_model import tiny_stem
-from .test_placement import host_on_cpu  # noqa: F401  (a fixture)
 
 PROMPT = "w1 w5 w2 w3 w5 w4"  # "w5" (id 5) at positions 1 and 4
 
@@ -93,7 +92,7 @@ def test_each_length_mode_gives_the_rows_it_promises(stem_dir):
 
 @pytest.mark.parametrize("placement", ["memory", "mmap", "host"])
 def test_run_time_edit_equals_the_persistent_edit_and_leaves_other_positions_bit_identical(
-        stem_dir, placement, host_on_cpu):  # noqa: F811
+        stem_dir, placement, host_on_cpu):
     model, tokenizer = load(stem_dir, placement, stem_cache_rows=16), AutoTokenizer.from_pretrained(stem_dir)
     ids = ids_of(PROMPT)
     plain_rows, plain = up_rows(model, ids)

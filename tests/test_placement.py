@@ -6,19 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stem_upcycle.modeling import stem_tables
 from stem_upcycle.modeling.stem_tables import StemTablesError, check_ids
 
 from .conftest import VOCAB
 from .test_model import tiny_stem
 
 PLACEMENTS = ["mmap", "host"]
-
-
-@pytest.fixture
-def host_on_cpu(monkeypatch):
-    """The `host` placement's code, run with the CPU as its device (streams are then no-ops)."""
-    monkeypatch.setattr(stem_tables, "accelerator_available", lambda: True)
 
 
 @pytest.fixture

@@ -150,3 +150,17 @@ def test_knowledge_edit_of_smollm2_run_time_equals_persistent_and_undo_restores_
                                                   "--json"]).stdout)
     assert spread["sample"] == 256 and sorted(int(k) for k in spread["layers"]) == list(range(0, 30, 3))
     assert all(0 <= s["spread"]["P5"] <= s["spread"]["P50"] <= s["spread"]["P95"] <= 1 for s in spread["layers"].values())
+
+
+def test_knowledge_edit_example_runs_on_smollm2(converted, tmp_path):
+    from pathlib import Path
+
+    examples = Path(__file__).parent.parent / "examples"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join((examples / "data" / "entity_pairs.jsonl").read_text().splitlines()[:2]) + "\n")
+    result = subprocess.run([sys.executable, str(examples / "knowledge_edit.py"), str(converted), "--pairs", str(pairs),
+                             "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 entity pairs that the dense parent answers correctly" in result.stdout  # checked on the parent first
+    rates = json.loads((tmp_path / "out.json").read_text())["modes"]["auto"]["summary"]
+    assert rates["pairs"] == 2 and 0 <= rates["runtime_success"] <= 1 and 0 <= rates["collateral_changed"] <= 1
