@@ -12,6 +12,7 @@ from .editing import MODES
 from .errors import UserError
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS
+from .modeling.stem_tables import StemTablesError
 
 
 def _fail_cleanly(fn):
@@ -20,7 +21,7 @@ def _fail_cleanly(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except UserError as err:
+        except (UserError, StemTablesError) as err:
             raise click.ClickException(str(err)) from None
 
     wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
@@ -126,7 +127,8 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
 @click.option("--tables", "table_stats", is_flag=True,
               help="Statistics of a STEM model's table rows per layer: norms and the angular spread (|cos| between "
                    "rows, over a seeded sample).")
-@click.option("--sample", default=2048, show_default=True, help="With --tables: rows (and positions) sampled.")
+@click.option("--sample", default=2048, show_default=True, type=click.IntRange(2, 4096),
+              help="With --tables: rows (and positions) sampled; every pair of them is compared.")
 @click.option("--seed", default=0, show_default=True, help="With --tables: seed of the sample.")
 @click.option("--reference", help="With --tables: the dense parent, whose up-projection outputs W_up x on --text get "
                                   "the same statistic.")
@@ -150,6 +152,8 @@ def inspect(path, as_json, table_stats, sample, seed, reference, text_files, tex
     from .summary import summarize
 
     source = open_source(path)
+    if nearest is not None and table_stats:
+        raise click.UsageError("give --tables or --nearest, not both")
     if nearest is not None:
         click.echo(_nearest(source, nearest, layer, top, as_json))
     elif table_stats:
@@ -169,7 +173,7 @@ def _nearest(source, token, layer, top, as_json) -> str:
         raise click.UsageError(f"--nearest needs --layer L, one of the STEM layers {getattr(source.config, 'stem_layers', [])}")
     tables = stem_tables(source, [layer])
     tokenizer = load_tokenizer(source)
-    query = token_id(tokenizer, token)
+    query = token_id(tokenizer, token, source.config.vocab_size)
     found = nearest_rows(tables, layer, query, top)
     rows = [{"id": i, "token": tokenizer.convert_ids_to_tokens(i), "cos": round(c, 4)} for i, c in found]
     if as_json:
@@ -236,8 +240,11 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
     from .source import open_source
 
     if undo:
-        if swaps or prompt:
-            raise click.UsageError("--undo takes no --swap or --prompt")
+        context = click.get_current_context()
+        given = [param.opts[0] for param in context.command.params if param.name not in ("model", "output", "undo")
+                 and context.get_parameter_source(param.name) != click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--undo takes only MODEL and --output, not {', '.join(given)}")
         count = editing.undo_edits(open_source(model).directory or model, output)
         click.echo(f"undid {count} edit(s): {output or model} holds the unedited tables")
         return
@@ -245,15 +252,13 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
         raise click.UsageError("--prompt shows a run-time edit and writes nothing; drop --output, or --prompt")
     source = open_source(model)
     config = source.config
-    stem_layers = editing.stem_layers_of(config)
-    layers = None if layer_spec is None else editing.check_layers(parse_layers(layer_spec, config.num_hidden_layers),
-                                                                  stem_layers)
+    layers = None if layer_spec is None else parse_layers(layer_spec, config.num_hidden_layers)
     tokenizer = load_tokenizer(source)
     plan = editing.plan_edit(tokenizer, config, swaps, mode, layers)
     if prompt:  # errors before any output
         editing.find_occurrences(tokenizer, prompt, plan, occurrences)
     if output:
-        editing.check_output(output)
+        editing.check_output(output, source.directory or model)
     click.echo(plan.describe(tokenizer))
     if prompt:
         from .loading import model_from_source

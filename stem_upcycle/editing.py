@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import UserError
-from .loading import stem_tables
+from .loading import stem_layers_of, stem_tables
 from .modeling.stem_tables import RowEdit, TableFile
 from .source import open_source
 
@@ -114,6 +114,10 @@ class EditPlan:
             src, tgt = row_map.source, row_map.target
             lines.append(f"{src.text!r} {_tokens(tokenizer, src.ids)} -> {tgt.text!r} {_tokens(tokenizer, tgt.ids)}"
                          f"  ({row_map.mode})")
+        shared = sorted({t for m in self.maps if len(m.source.ids) > 1 for t in m.source.ids})
+        if shared:
+            lines.append(f"note: a persistent edit rewrites the rows of {_tokens(tokenizer, shared)} wherever they "
+                         f"occur, not only in these entities")
         if clashes := self.conflicts():
             lines.append(f"note: tokens {_tokens(tokenizer, clashes)} belong to several spellings that map them "
                          f"differently; a persistent edit keeps the first mapping")
@@ -125,23 +129,33 @@ def _tokens(tokenizer, ids) -> str:
     return "[" + ", ".join(repr(tokenizer.convert_ids_to_tokens(int(i))) for i in ids) + "]"
 
 
+# Where an entity can stand: after a space (mid-text, first: where spellings share tokens, its mapping
+# wins), at the start of a text, and glued to a character before it ("(Spain": SentencePiece-style
+# tokenizers spell that without the word-start marker).
+CONTEXTS = (("a ", " "), ("", ""), ("(", "("))  # (text before the entity, how the spelling is shown)
+
+
 def spellings(tokenizer, entity: str) -> list[Spelling]:
-    """The entity's token ids at the start of a text and after a space, from the tokenizer's offsets
-    (one spelling where both give the same ids)."""
+    """The entity's distinct token spellings in CONTEXTS, from the tokenizer's offsets."""
     found = []
-    for text, start in ((entity, 0), ("a " + entity, 1)):  # "a ": any word, so that the entity follows a space
-        ids = _span_ids(tokenizer, text, start, len(text))
+    for before, shown in CONTEXTS:
+        ids = tuple(_span_ids(tokenizer, before + entity, len(before), len(before) + len(entity)))
         if not ids:
             raise EditError(f"{entity!r} tokenises to nothing; give an entity with visible text")
-        if all(s.ids != tuple(ids) for s in found):
-            found.append(Spelling(text[start:], tuple(ids)))
+        if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
+            raise EditError(f"{entity!r} holds characters this tokenizer does not know (it reads "
+                            f"{tokenizer.unk_token!r}); give the entity as the model's texts spell it")
+        if all(s.ids != ids for s in found):
+            found.append(Spelling(shown + entity, ids))
     return found
 
 
 def _span_ids(tokenizer, text: str, start: int, end: int, **kwargs) -> list[int]:
-    """Ids of the tokens of `text` whose characters overlap [start, end)."""
+    """Ids of the tokens of `text` whose characters overlap [start, end) (a leading space of the first
+    one included, whether or not the tokenizer's offsets count it)."""
     encoded = _encode(tokenizer, text, add_special_tokens=False, **kwargs)
-    return [i for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if a < end and b > start and b > a]
+    begin = start - 1 if start and text[start - 1] == " " else start
+    return [i for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if a < end and b > begin and b > a]
 
 
 def _encode(tokenizer, text: str, **kwargs) -> dict:
@@ -186,33 +200,23 @@ def pad_token_id(tokenizer) -> int:
 
 def plan_edit(tokenizer, config, swaps, mode: str = "auto", layers=None) -> EditPlan:
     """The rows each swap maps, for the STEM model of `config` (a dense config is refused)."""
-    stem_layers = stem_layers_of(config)
-    layers = tuple(stem_layers if layers is None else check_layers(layers, stem_layers))
+    layers = tuple(stem_layers_of(config, layers))
     swaps = tuple(s if isinstance(s, Swap) else Swap.parse(s) for s in swaps)
     if not swaps:
         raise EditError("nothing to edit: give at least one --swap SOURCE=TARGET")
     maps = []
     for swap in swaps:
         sources, targets = spellings(tokenizer, swap.source), spellings(tokenizer, swap.target)
+        for spelling in sources + targets:
+            if max(spelling.ids) >= config.vocab_size:
+                raise EditError(f"{spelling.text!r} has token id {max(spelling.ids)}, past the tables' "
+                                f"{config.vocab_size} rows: the tokenizer and the model do not belong together")
         for i, source in enumerate(sources):
             target = targets[min(i, len(targets) - 1)]  # the same spelling of the target
             pad = pad_token_id(tokenizer) if mode.endswith("_pad") else -1
             applied, reads = map_tokens(source.ids, target.ids, mode, pad)
             maps.append(RowMap(source, target, applied, reads))
     return EditPlan(swaps, mode, tuple(maps), layers)
-
-
-def stem_layers_of(config) -> list[int]:
-    if getattr(config, "model_type", None) != "stem" or not getattr(config, "stem_layers", None):
-        raise EditError("this is a dense checkpoint: it has no STEM tables to edit; convert it first with "
-                        "`stem-upcycle convert`")
-    return list(config.stem_layers)
-
-
-def check_layers(layers, stem_layers) -> list[int]:
-    if bad := sorted(set(layers) - set(stem_layers)):
-        raise EditError(f"layer {bad[0]} is not a STEM layer; this model's STEM layers are {stem_layers}")
-    return sorted(set(layers))
 
 
 # --- at run time -----------------------------------------------------------------------------------
@@ -248,7 +252,8 @@ def find_occurrences(tokenizer, prompt: str, plan: EditPlan, which: str = "all")
             positions = [p for p, (a, b) in enumerate(offsets) if b > a and a < end and b > begin]
             covered = tuple(ids[p] for p in positions)
             row_map = next((m for m in maps if m.source.ids == covered), None)
-            if row_map is not None:
+            inside_a_word = (start and prompt[start - 1].isalnum()) or (end < len(prompt) and prompt[end].isalnum())
+            if row_map is not None and not inside_a_word:
                 mine.append(Occurrence(swap, (start, end), tuple(positions), row_map))
             start = prompt.find(swap.source, start + 1)
         if not mine:
@@ -278,11 +283,12 @@ def runtime_edit(model, tokenizer, prompt: str, plan: EditPlan, occurrences: str
     """Within the block, forwards of `prompt` (and generation from it) read the target's rows at the
     source's positions; yields the occurrences edited. Weights and input ids are untouched."""
     found = find_occurrences(tokenizer, prompt, plan, occurrences)
+    previous = model.stem_row_edit  # a nested block replaces it, and gives it back
     model.set_stem_row_edit(row_edit(found, plan.layers))
     try:
         yield found
     finally:
-        model.set_stem_row_edit(None)
+        model.set_stem_row_edit(previous)
 
 
 @torch.no_grad()
@@ -351,7 +357,7 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
     byte without `model_dir`. Nothing appears at `out_dir` unless all of it was written."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    check_output(out_dir)
+    check_output(out_dir, model_dir)
     placed = stem_tables(open_source(str(model_dir)), plan.layers)
     tables = placed.files
     changes = edited_rows(plan, placed.read_rows)
@@ -372,12 +378,14 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
     return record
 
 
-def check_output(out_dir: Path) -> None:
-    """Refuse an output folder that holds anything (MODEL included), before anything is written."""
+def check_output(out_dir, model_dir) -> None:
+    """Refuse an output folder that holds anything, or lies inside MODEL, before anything is written."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise EditError(f"{out_dir} exists and is not empty; choose a new directory for the edited model "
                         f"(an edit never modifies MODEL)")
+    if out_dir.resolve().is_relative_to(Path(model_dir).resolve()):
+        raise EditError(f"{out_dir} lies inside {model_dir}; write the edited model outside MODEL")
 
 
 def _record_edit(folder: Path, config: dict, plan: EditPlan, changes: dict, tables, tokenizer, command: str) -> dict:
@@ -389,9 +397,10 @@ def _record_edit(folder: Path, config: dict, plan: EditPlan, changes: dict, tabl
     tensors = {}
     for layer, (ids, old, _) in changes.items():
         tensors[f"{layer}.ids"], tensors[f"{layer}.rows"] = ids.clone(), old.contiguous()  # one ids tensor per layer
-    metadata = {"config.json": (folder / "config.json").read_text(),
-                "README.md": readme.read_text() if readme.exists() else "",
-                "files": json.dumps({str(layer): Path(tables[layer].path).name for layer in changes})}
+    for name in ("config.json", "README.md"):  # their bytes as they were, for an exact undo
+        if (folder / name).exists():
+            tensors[f"file.{name}"] = torch.tensor(list((folder / name).read_bytes()), dtype=torch.uint8)
+    metadata = {"files": json.dumps({str(layer): Path(tables[layer].path).name for layer in changes})}
     (folder / EDITS_FOLDER).mkdir(exist_ok=True)
     save_file(tensors, folder / record_name, metadata=metadata)
     entry = {"swaps": [str(s) for s in plan.swaps], "mode": plan.mode, "layers": list(plan.layers),
@@ -400,20 +409,16 @@ def _record_edit(folder: Path, config: dict, plan: EditPlan, changes: dict, tabl
              "rows_replaced": record_name, "command": command}
     config = {**config, "stem_edits": edits + [entry]}
     # Through a new file: config.json and README.md may be links to MODEL's, which must not change.
-    _replace_text(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-    card = metadata["README.md"]
+    _replace_bytes(folder / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    card = readme.read_text(encoding="utf-8", errors="replace") if readme.exists() else ""
     if "## Knowledge edits" not in card:
         card += ("\n## Knowledge edits\n\nThe tables of this model were edited by `stem-upcycle edit`: the rows of "
                  "the source tokens are the target's (in the STEM layers named). `stem-upcycle edit THIS_FOLDER "
                  "--undo` restores the tables as they were, byte for byte, from the rows kept in "
                  f"`{EDITS_FOLDER}/`.\n\n| # | swaps | mode | layers |\n|---|---|---|---|\n")
     card += f"| {len(edits) + 1} | {', '.join(entry['swaps'])} | {plan.mode} | {list(plan.layers)} |\n"
-    _replace_text(readme, card)
+    _replace_bytes(readme, card.encode())
     return entry
-
-
-def list_edits(config) -> list[dict]:
-    return list(getattr(config, "stem_edits", None) or (config.get("stem_edits", []) if isinstance(config, dict) else []))
 
 
 def undo_edits(model_dir, out_dir=None) -> int:
@@ -431,7 +436,8 @@ def undo_edits(model_dir, out_dir=None) -> int:
         raise EditError(f"{missing[0]} is missing: the rows that edit replaced are gone, so it cannot be undone")
     if out_dir is not None:
         out_dir = Path(out_dir)
-        check_output(out_dir)
+        check_output(out_dir, model_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
     target = model_dir if out_dir is None else Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-",
                                                                       dir=out_dir.parent))
     try:
@@ -451,13 +457,12 @@ def undo_edits(model_dir, out_dir=None) -> int:
                                 f.get_tensor(f"{layer}.rows"))
         for name, restored in touched.items():
             os.replace(restored, target / name)
-        with safe_open(records[0], "pt") as f:
-            first = f.metadata()
-        _replace_text(target / "config.json", first["config.json"])
-        if first["README.md"]:
-            _replace_text(target / "README.md", first["README.md"])
-        else:
-            (target / "README.md").unlink(missing_ok=True)
+        with safe_open(records[0], "pt") as f:  # config and card as they were before the first edit
+            for name in ("config.json", "README.md"):
+                if f"file.{name}" in f.keys():
+                    _replace_bytes(target / name, f.get_tensor(f"file.{name}").numpy().tobytes())
+                else:
+                    (target / name).unlink(missing_ok=True)
         shutil.rmtree(target / EDITS_FOLDER, ignore_errors=True)  # last: an interrupted undo can be run again
         if out_dir is not None:
             target.rename(out_dir) if not out_dir.exists() else os.replace(target, out_dir)
@@ -468,7 +473,8 @@ def undo_edits(model_dir, out_dir=None) -> int:
     return len(edits)
 
 
-def _replace_text(path: Path, text: str) -> None:
+def _replace_bytes(path: Path, data: bytes) -> None:
+    """Write `path` as a new file (never into the old one, which may be a link to MODEL's)."""
     temporary = path.with_name(f".{path.name}.restoring")
-    temporary.write_text(text)
+    temporary.write_bytes(data)
     os.replace(temporary, path)

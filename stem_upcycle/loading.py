@@ -98,26 +98,28 @@ def load_tokenizer(source: Source):
         raise LoadError(f"{source.spec} has no tokenizer that loads; eval needs one to read text ({type(err).__name__})") from None
 
 
+def stem_layers_of(config, layers=None) -> list[int]:
+    """The STEM layers of a STEM model's config (all, or those of `layers`, checked)."""
+    if getattr(config, "model_type", None) != "stem" or not getattr(config, "stem_layers", None):
+        raise LoadError("this is a dense checkpoint: it has no STEM tables; convert it first with `stem-upcycle convert`")
+    if layers is None:
+        return list(config.stem_layers)
+    if bad := sorted(set(layers) - set(config.stem_layers)):
+        raise LoadError(f"layer {bad[0]} is not a STEM layer; this model's STEM layers are {config.stem_layers}")
+    return sorted(set(layers))
+
+
 def stem_tables(source: Source, layers=None):
     """The tables of a STEM checkpoint's layers (all STEM layers, or `layers`) as `MmapTables`: rows
     read from the safetensors files by positioned reads, nothing loaded whole."""
-    from .modeling.stem_tables import MmapTables, StemTablesError, checkpoint_files, locate_tables
+    from .modeling.stem_tables import MmapTables, StemTablesError, checkpoint_files, locate_tables, table_names
 
     config = source.config
-    if config.model_type != "stem" or not getattr(config, "stem_layers", None):
-        raise LoadError(f"{source.spec} is a dense checkpoint: it has no STEM tables; convert it first with "
-                        f"`stem-upcycle convert`")
-    layers = list(config.stem_layers) if layers is None else list(layers)
-    if bad := sorted(set(layers) - set(config.stem_layers)):
-        raise LoadError(f"layer {bad[0]} is not a STEM layer; {source.spec}'s STEM layers are {config.stem_layers}")
+    layers = stem_layers_of(config, layers)
     files = checkpoint_files(str(source.directory), {}) if source.directory is not None else None
     if files is None:
         raise LoadError(f"{source.spec} holds no safetensors files; its tables can only be read loaded whole")
-    names = {}
-    for layer in layers:
-        suffix = f"layers.{layer}.mlp.up_table.weight"
-        names[layer] = next((n for n in files if n.endswith(suffix)), f"model.{suffix}")
     try:
-        return MmapTables(locate_tables(files, names, (config.vocab_size, config.intermediate_size)))
+        return MmapTables(locate_tables(files, table_names(files, layers), (config.vocab_size, config.intermediate_size)))
     except StemTablesError as err:
         raise LoadError(f"{source.spec}: {err}") from None

@@ -12,6 +12,7 @@
 import torch
 
 from .errors import UserError
+from .families import family_for
 
 PERCENTILES = (5, 50, 95)
 BINS = 50  # histogram of |cos| over [0, 1], kept for the plot and the JSON
@@ -70,12 +71,20 @@ def table_statistics(tables, sample: int = 2048, seed: int = 0, text_ids: torch.
 def dense_up_spread(model, ids: torch.Tensor, layers, sample: int = 2048, seed: int = 0, window: int = 512) -> dict:
     """Per layer of `layers`, the spread of the dense model's up-projection outputs `W_up x` [d_ff] at a
     seeded sample of the positions of `ids` [n] (read in windows of `window` tokens)."""
+    family = family_for(model.config.model_type)
+    d_ff = model.config.intermediate_size
     positions = seeded_sample(len(ids), sample, seed)
     outputs = {layer: [] for layer in layers}
+
+    def keep(layer):
+        def hook(module, args, out):  # [1, seq, d_ff], or [1, seq, 2 d_ff] for a fused gate-up (gate first)
+            outputs[layer].append(out[0, :, -d_ff:].float())
+        return hook
+
     hooks = []
     for layer in layers:
-        up = model.base_model.layers[layer].mlp.up_proj
-        hooks.append(up.register_forward_hook(lambda m, a, out, layer=layer: outputs[layer].append(out[0].float())))
+        up = model.base_model.layers[layer].get_submodule(family.fused_gate_up or family.up)
+        hooks.append(up.register_forward_hook(keep(layer)))
     try:
         for start in range(0, len(ids), window):
             model(ids[None, start:start + window].to(model.device), use_cache=False)
@@ -101,11 +110,15 @@ def nearest_rows(tables, layer: int, token: int, top: int = 10) -> list[tuple[in
     return list(zip(best_ids.tolist(), best_cos.tolist()))
 
 
-def token_id(tokenizer, text: str) -> int:
-    """The id of TOKEN: a text that is one token as written (e.g. " Spain"), or id:N."""
+def token_id(tokenizer, text: str, vocab: int) -> int:
+    """The id of TOKEN: a text that is one token as written (e.g. " Spain"), or id:N; below `vocab`."""
     if text.startswith("id:") and text[3:].isdigit():
+        if int(text[3:]) >= vocab:
+            raise StatsError(f"--nearest {text}: the tables have {vocab} rows, ids 0-{vocab - 1}")
         return int(text[3:])
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) == 1 and ids[0] >= vocab:
+        raise StatsError(f"--nearest {text!r} is token id {ids[0]}, past the tables' {vocab} rows")
     if len(ids) != 1:
         pieces = [tokenizer.convert_ids_to_tokens(i) for i in ids]
         raise StatsError(f"--nearest {text!r} is {len(ids)} tokens {pieces}; give one token (mind the leading space, "

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -107,7 +108,7 @@ def test_run_time_edit_equals_the_persistent_edit_and_leaves_other_positions_bit
         assert torch.equal(rows[layer][1], target) and torch.equal(rows[layer][4], target)
     assert torch.equal(runtime[0, 0], plain[0, 0])  # the position before the entity: untouched
     assert not torch.allclose(runtime[0, 1:], plain[0, 1:])  # the edit is seen after it
-    assert model.base_model.stem_row_edit is None  # gone after the block
+    assert model.stem_row_edit is None  # gone after the block
     assert torch.equal(up_rows(model, ids)[1], plain)
 
     changes = editing.apply_edit(model, plan)  # the persistent edit of the loaded model
@@ -118,15 +119,17 @@ def test_run_time_edit_equals_the_persistent_edit_and_leaves_other_positions_bit
 
 def test_run_time_edit_follows_the_prompt_through_the_kv_cache_and_last_occurrence_only(stem_dir):
     model, tokenizer = load(stem_dir, "mmap"), AutoTokenizer.from_pretrained(stem_dir)
-    ids = ids_of(PROMPT)
     plan = plan_edit(tokenizer, model.config, ["w5=w9"])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    with editing.runtime_edit(model, tokenizer, PROMPT, plan):
+    at_start = "w5 w1 w2 w5"  # position 0 edited: a decode step (position 0 of its forward) must not be
+    ids = ids_of(at_start)
+    with editing.runtime_edit(model, tokenizer, at_start, plan):
         cached = model.generate(ids, **kwargs)
         uncached = model.generate(ids, use_cache=False, **kwargs)
     assert torch.equal(cached.sequences[:, :ids.shape[1]], ids)  # input ids unchanged
     assert torch.equal(cached.sequences, uncached.sequences)
     torch.testing.assert_close(torch.stack(cached.scores), torch.stack(uncached.scores), rtol=1e-5, atol=1e-5)
+    ids = ids_of(PROMPT)
 
     plain_rows, _ = up_rows(model, ids)
     with editing.runtime_edit(model, tokenizer, PROMPT, plan, occurrences="last") as found:
@@ -146,12 +149,67 @@ def test_layers_subset_edits_only_those_layers(stem_dir):
     assert torch.equal(rows[0], plain_rows[0]) and not torch.equal(rows[2], plain_rows[2])
 
 
+def test_run_time_edits_mix_modes_stay_in_their_thread_and_nest(stem_dir):
+    model, tokenizer = load(stem_dir), AutoTokenizer.from_pretrained(stem_dir)
+    prompt = "w1 w5 w2 w3"
+    ids = ids_of(prompt)
+    table = model.model.layers[0].mlp.up_table.weight.detach()
+    plain_rows, plain = up_rows(model, ids)
+    both = plan_edit(tokenizer, model.config, ["w5=w20 w21", "w3=w9"])  # average (k=2) beside one_to_one (k=1)
+    with editing.runtime_edit(model, tokenizer, prompt, both):
+        rows, edited = up_rows(model, ids)
+        other = {}
+        thread = threading.Thread(target=lambda: other.update(logits=up_rows(model, ids)[1]))
+        thread.start()
+        thread.join()
+        with editing.runtime_edit(model, tokenizer, prompt, plan_edit(tokenizer, model.config, ["w2=w9"])):
+            inner = up_rows(model, ids)[0]
+        assert torch.equal(up_rows(model, ids)[1], edited)  # the outer edit is back after the inner block
+    torch.testing.assert_close(rows[0][1], (table[20] + table[21]) / 2, rtol=1e-6, atol=1e-6)
+    assert torch.equal(rows[0][3], table[9]) and torch.equal(rows[0][[0, 2]], plain_rows[0][[0, 2]])
+    assert torch.equal(inner[0][2], table[9]) and torch.equal(inner[0][1], plain_rows[0][1])
+    assert torch.equal(other["logits"], plain)  # another thread's forwards are not edited
+
+
+def test_spellings_and_positions_with_a_sentencepiece_style_tokenizer_and_bos(tmp_path):
+    """A Metaspace BPE tokenizer (word starts marked, BOS added): ' Spain' and 'Spain' at the start are
+    one spelling, '(Spain' another; an entity inside a longer word is no occurrence."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "▁", "a", "(", ")", "S", "p", "i", "n", "v", "l", "e", "G", "r", "m", "y",
+              "Sp", "ai", "ain", "Spain", "▁Spain", "▁(", "▁a", "Ge", "Ger", "Germ", "Germa", "German", "Germany",
+              "▁Germany", "vi", "vil", "vill", "ville"]
+    merges = [("S", "p"), ("a", "i"), ("ai", "n"), ("Sp", "ain"), ("▁", "Spain"), ("▁", "("), ("▁", "a"),
+              ("G", "e"), ("Ge", "r"), ("Ger", "m"), ("Germ", "a"), ("Germa", "n"), ("German", "y"),
+              ("▁", "Germany"), ("v", "i"), ("vi", "l"), ("vil", "l"), ("vill", "e")]
+    backend = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(prepend_scheme="first")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>")
+    spain = editing.spellings(tokenizer, "Spain")
+    assert [(s.text, s.ids) for s in spain] == [(" Spain", (21,)), ("(Spain", (20,))]
+    config = tiny_stem("llama", layers=(0, 2)).config
+    plan = plan_edit(tokenizer, config, ["Spain=Germany"])
+    assert [(m.source.ids, m.target.ids) for m in plan.maps] == [((21,), (30,)), ((20,), (29,))]
+    prompt = "Spain (Spain) a Spainville a Spain"
+    found = editing.find_occurrences(tokenizer, prompt, plan)
+    ids = tokenizer(prompt)["input_ids"]
+    assert ids[0] == 1  # BOS first: positions count it
+    assert [(o.chars, o.positions) for o in found] == [((0, 5), (1,)), ((7, 12), (3,)), ((29, 34), (9,))]
+    assert [ids[o.positions[0]] for o in found] == [21, 20, 21]
+    with pytest.raises(EditError, match="does not know"):
+        editing.spellings(tokenizer, "Spaix")
+
+
 def test_persistent_edit_writes_a_new_model_and_undo_restores_every_file_byte_for_byte(stem_dir, tmp_path):
+    (stem_dir / "README.md").write_bytes(b"---\r\nlicense: mit\r\n---\r\n# A card with CRLF line ends\r\n")
     before = files_digest(stem_dir)
     edited, again = tmp_path / "edited", tmp_path / "edited-twice"
     run = CliRunner().invoke(main, ["edit", str(stem_dir), "--swap", "w5=w9", "--output", str(edited)])
     assert run.exit_code == 0, run.output
-    assert "'w5' ['w5'] -> 'w9' ['w9']" in run.output
+    assert "' w5' ['w5'] -> ' w9' ['w9']" in run.output
     assert files_digest(stem_dir) == before  # MODEL untouched
     index = json.loads((stem_dir / "model.safetensors.index.json").read_text())["weight_map"]
     table_shards = {index[f"model.layers.{i}.mlp.up_table.weight"] for i in (0, 2)}
@@ -205,11 +263,15 @@ def test_editing_errors_are_one_line(stem_dir, dense_dir, tmp_path):
         (["edit", str(stem_dir), "--swap", "w5=w9", "--output", str(stem_dir)], "not empty"),
         (["edit", str(stem_dir), "--undo"], "records no edit"),
         (["edit", str(stem_dir), "--swap", "w10 w11=w12", "--mode", "one_to_one"], "one_to_one needs"),
+        (["edit", str(stem_dir), "--swap", "w5=w9", "--output", str(stem_dir / "inside")], "lies inside"),
+        (["edit", str(stem_dir), "--swap", "w5=w999"], "does not know"),
     ]
     for args, message in cases:
         run = CliRunner().invoke(main, args)
         assert run.exit_code == 1 and message in run.output, (args, run.output)
         assert len(run.output.strip().splitlines()) == 1, run.output
+    run = CliRunner().invoke(main, ["edit", str(stem_dir), "--undo", "--mode", "copy", "--layers", "0"])
+    assert run.exit_code == 2 and "Error: --undo takes only MODEL and --output, not --mode, --layers" in run.output
     tokenizer = AutoTokenizer.from_pretrained(stem_dir)
     with pytest.raises(EditError, match="tokenises to nothing"):
         plan_edit(tokenizer, load(stem_dir).config, [Swap("w5", " ")])

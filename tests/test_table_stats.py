@@ -101,8 +101,32 @@ def test_table_inspection_errors_are_one_line(stem_dir, dense_dir, tmp_path):
         (["inspect", path, "--nearest", "w5"], "needs --layer"),
         (["inspect", path, "--tables", "--reference", dense], "needs --text"),
         (["inspect", path, "--plot", tmp_path / "x.png"], "go with --tables"),
+        (["inspect", path, "--nearest", "id:96", "--layer", 2], "ids 0-95"),
+        (["inspect", path, "--tables", "--sample", 1], "--sample"),
     ]
     for args, message in cases:
         code, out = invoke(*args)
         assert code != 0 and message in out, (args, out)
         assert len([line for line in out.splitlines() if line.startswith("Error")]) == 1 and "Traceback" not in out
+
+
+def test_dense_up_outputs_of_a_fused_gate_up_family_are_its_up_half(dense_dir, tmp_path):
+    """Phi-3 keeps gate and up in one matrix (gate rows first): W_up x is the second half of its output."""
+    stem = tiny_stem("phi3", layers=(1,))
+    stem.save_pretrained(tmp_path / "stem")
+    save_tiny_tokenizer(tmp_path / "stem")
+    dense, dense_path = dense_dir("phi3")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 90}" for i in range(0, 700, 7)))
+    code, out = invoke("inspect", tmp_path / "stem", "--tables", "--sample", 30, "--reference", dense_path,
+                       "--text", text, "--json")
+    assert code == 0, out
+    ids = torch.tensor([int(w[1:]) for w in text.read_text().split()])
+    captured = []
+    hook = dense.model.layers[1].mlp.gate_up_proj.register_forward_hook(lambda m, a, o: captured.append(o[0]))
+    with torch.no_grad():
+        dense(ids[None], use_cache=False)
+    hook.remove()
+    up = captured[0][:, dense.config.intermediate_size:]
+    direct = spread(up[seeded_sample(len(ids), 30, 0)])
+    assert json.loads(out)["dense_up"]["layers"]["1"]["P95"] == pytest.approx(direct["P95"], rel=1e-4)

@@ -104,7 +104,7 @@ def _start_forward(module, args, kwargs):
             "cannot be used with a STEM model)"
         )
     check_ids(ids, module.config.vocab_size)
-    edit = module.stem_row_edit  # a run-time knowledge edit, if one is set
+    edit = module.stem_token_ids.edit  # this thread's run-time knowledge edit, if one is set
     forward = module.stem_token_ids.start(ids, edit.for_forward(ids, cached_length(kwargs)) if edit else None)
     if module.stem_tables_placement is not None:
         module.stem_tables_placement.begin(forward)
@@ -180,7 +180,6 @@ class _StemDispatch:
         # MLPs of the STEM layers are replaced and the id hooks are installed on the base model.
         base = self.base_model
         base.stem_token_ids = IdHandoff()
-        base.stem_row_edit = None
         placement = base.stem_tables_placement = getattr(_loading, "placement", None)
         for index in self.config.stem_layers:
             if placement is None:
@@ -209,13 +208,17 @@ class _StemDispatch:
         """Where the tables live: "memory", "mmap" or "host"."""
         return "memory" if self.stem_placement is None else self.stem_placement.name
 
+    @property
+    def stem_row_edit(self) -> RowEdit | None:
+        """The run-time edit of the calling thread's forwards, if any."""
+        return self.base_model.stem_token_ids.edit
+
     def set_stem_row_edit(self, edit: RowEdit | None) -> None:
-        """Edit the rows that forwards look up (a run-time knowledge edit; None: none). The weights stay
-        as they are; see `RowEdit`."""
-        layers = set(edit.layers or ()) - set(self.config.stem_layers) if edit is not None else ()
-        if layers:
-            raise StemTablesError(f"layers {sorted(layers)} are not STEM layers; this model's are {self.config.stem_layers}")
-        self.base_model.stem_row_edit = edit
+        """Edit the rows that this thread's forwards look up (a run-time knowledge edit; None: none).
+        The weights stay as they are; see `RowEdit`."""
+        for layer in (edit.layers or ()) if edit is not None else ():
+            self._table_of(layer)  # a clear error for a layer that is not a STEM layer
+        self.base_model.stem_token_ids.edit = edit
 
     def stem_table_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """[n, d_ff] rows of `ids` [n] in the table of STEM layer `layer`, as stored, wherever it is placed."""

@@ -111,7 +111,8 @@ class ForwardEdit:
 class RowEdit:
     """A run-time edit of the rows a STEM model looks up: at some positions of a sequence, the
     weighted sum of other ids' rows replaces the row of the id there, in some STEM layers. Input ids,
-    tables and every other position are untouched. Set on a model with `model.stem_row_edit(edit)`.
+    tables and every other position are untouched. Set on a model with `model.set_stem_row_edit(edit)`,
+    for the forwards of the calling thread.
 
     Positions count from the sequence's first token, so the edit follows a prompt through a KV cache:
     the forward reading positions p..p+s-1 (p: tokens already cached) edits those that fall there,
@@ -159,6 +160,15 @@ class IdHandoff:
     def __init__(self):
         self._local = threading.local()
         self._latest = None
+
+    @property
+    def edit(self) -> "RowEdit | None":
+        """The run-time edit of this thread's forwards (`RowEdit`), if any."""
+        return getattr(self._local, "edit", None)
+
+    @edit.setter
+    def edit(self, edit: "RowEdit | None") -> None:
+        self._local.edit = edit
 
     def start(self, ids: torch.Tensor, edit: ForwardEdit | None = None) -> ForwardIds:
         forward = ForwardIds(ids, edit)
@@ -331,6 +341,7 @@ class MmapTables:
     def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """[n, d_ff] rows of the ids `ids` [n], in the table's dtype, read from the file."""
         table = self.files[layer]
+        check_ids(ids, table.shape[0])  # a read past a table would return another tensor's bytes
         row_bytes = table.nbytes // table.shape[0]
         rows = torch.empty(ids.numel(), table.shape[1], dtype=table.dtype)
         buffer = memoryview(rows.view(torch.uint8).numpy()).cast("B")
@@ -346,6 +357,8 @@ class MmapTables:
     def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
         """[stop - start, d_ff] rows start..stop-1 in one positioned read (nothing is mapped)."""
         table = self.files[layer]
+        if not 0 <= start <= stop <= table.shape[0]:
+            raise ValueError(f"rows {start}..{stop - 1} lie outside the table's {table.shape[0]} rows")
         row_bytes = table.nbytes // table.shape[0]
         rows = torch.empty(stop - start, table.shape[1], dtype=table.dtype)
         os.preadv(self._fds[table.path], [memoryview(rows.view(torch.uint8).numpy()).cast("B")],
@@ -595,12 +608,17 @@ def open_tables(path, config, hub_kwargs: dict):
             return None
         raise StemTablesError(f"stem_tables={requested!r} reads tables from safetensors files, and {path} has none; "
                               f"load it with stem_tables='memory'")
+    tables = locate_tables(files, table_names(files, config.stem_layers), (config.vocab_size, config.intermediate_size))
+    return open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
+
+
+def table_names(files: dict[str, str], layers) -> dict[int, str]:
+    """Per STEM layer, the name of its table among a checkpoint's tensors (whatever the base model's prefix)."""
     names = {}
-    for layer in config.stem_layers:
+    for layer in layers:
         suffix = f"layers.{layer}.mlp.up_table.weight"
         names[layer] = next((n for n in files if n.endswith(suffix)), f"model.{suffix}")
-    tables = locate_tables(files, names, (config.vocab_size, config.intermediate_size))
-    return open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
+    return names
 
 
 def open_placement(name: str, files: dict[int, TableFile], cache_rows: int):
