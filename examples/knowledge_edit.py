@@ -65,8 +65,9 @@ def measure(model, tokenizer, pairs, mode, layers=None):
     for pair in pairs:
         prompt, swap = pair["source_fact"].prompt, editing.Swap(pair["source"], pair["target"])
         plan = editing.plan_edit(tokenizer, model.config, [swap], mode, layers)
-        with editing.runtime_edit(model, tokenizer, prompt, plan):
+        with editing.runtime_edit(model, tokenizer, prompt, plan) as found:
             runtime = complete(model, tokenizer, prompt, NEW_TOKENS)
+        row_map = found[-1].row_map  # the spelling the prompt holds
         changes = editing.apply_edit(model, plan)
         try:
             persistent = complete(model, tokenizer, prompt, NEW_TOKENS)
@@ -78,7 +79,7 @@ def measure(model, tokenizer, pairs, mode, layers=None):
         flipped = sum(facts[i].is_answered_by(baseline[i]) != facts[i].is_answered_by(after[i]) for i in kept)
         changed = sum(baseline[i] != after[i] for i in kept)
         rows.append({"swap": str(swap), "category": pair["category"], "prompt": prompt,
-                     "tokens": [len(m.source.ids) for m in plan.maps][-1:] + [len(m.target.ids) for m in plan.maps][-1:],
+                     "tokens": [len(row_map.source.ids), len(row_map.target.ids)],
                      "before": baseline[others.index(prompt)], "runtime": runtime, "persistent": persistent,
                      "knows_source": pair["source_fact"].is_answered_by(baseline[others.index(prompt)]),
                      "knows_target": pair["target_fact"].is_answered_by(baseline[others.index(pair["target_fact"].prompt)]),
