@@ -49,9 +49,9 @@ def complete_all(model, tokenizer, prompts):
 
 def show(model, tokenizer, prompt, swap, mode="auto"):
     plan = editing.plan_edit(tokenizer, model.config, [swap], mode)
-    before = editing.generate(model, tokenizer, prompt, 16)
+    before = complete(model, tokenizer, prompt, 16)
     with editing.runtime_edit(model, tokenizer, prompt, plan) as found:
-        after = editing.generate(model, tokenizer, prompt, 16)
+        after = complete(model, tokenizer, prompt, 16)
     print(f"  {swap} ({', '.join(m.mode for m in plan.maps)}; tokens {[o.positions for o in found]})")
     print(f"    prompt      {prompt!r}\n    before      {before!r}\n    after edit  {after!r}")
 

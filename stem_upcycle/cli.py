@@ -12,7 +12,7 @@ from .editing import MODES
 from .errors import UserError
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS
-from .modeling.stem_tables import StemTablesError
+from .modeling.stem_tables import PLACEMENTS, StemTablesError
 
 
 def _fail_cleanly(fn):
@@ -226,7 +226,7 @@ def _table_statistics(source, sample, seed, reference, text_files, text_tokens, 
                    "kept in it for --undo.")
 @click.option("--undo", is_flag=True, help="Restore an edited MODEL's tables, config and card as they were before "
                                            "its first edit (in place, or into --output).")
-@click.option("--tables", type=click.Choice(["memory", "mmap", "host"]), default=None,
+@click.option("--tables", type=click.Choice(PLACEMENTS), default=None,
               help="With --prompt: where the tables live (default: the checkpoint's choice).")
 @_fail_cleanly
 def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, output, undo, tables):
@@ -261,12 +261,13 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
         editing.check_output(output, source.directory or model)
     click.echo(plan.describe(tokenizer))
     if prompt:
+        from .facts import complete
         from .loading import model_from_source
 
         lm = model_from_source(source, stem_tables=tables)
-        before = editing.generate(lm, tokenizer, prompt, max_new_tokens)
+        before = complete(lm, tokenizer, prompt, max_new_tokens)
         with editing.runtime_edit(lm, tokenizer, prompt, plan, occurrences) as found:
-            after = editing.generate(lm, tokenizer, prompt, max_new_tokens)
+            after = complete(lm, tokenizer, prompt, max_new_tokens)
         where = "; ".join(f"{o.swap} at chars {o.chars[0]}-{o.chars[1]}, tokens {list(o.positions)}" for o in found)
         click.echo(f"edited: {where}")
         width = max(len("prompt"), len("after edit"))
@@ -295,7 +296,7 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
 @click.option("--facts", "facts_file", is_flag=False, flag_value="packaged", default=None, metavar="[FILE]",
               help="Also score factual recall: greedy completions of short factual prompts (the packaged set, or a "
                    "JSON-lines FILE of {prompt, answers}).")
-@click.option("--tables", type=click.Choice(["memory", "mmap", "host"]), default=None,
+@click.option("--tables", type=click.Choice(PLACEMENTS), default=None,
               help="Where a STEM model's tables live (default: the checkpoint's choice, mmap for safetensors files).")
 @click.option("--device", default="auto", show_default=True,
               help="Where the models run: auto (the GPU if there is one), cpu, cuda, cuda:N.")

@@ -78,6 +78,7 @@ class Spelling:
 class RowMap:
     """Which target rows each token of one spelling of the source reads after the edit."""
 
+    swap: Swap
     source: Spelling
     target: Spelling
     mode: str  # the mode applied (auto resolved)
@@ -150,12 +151,17 @@ def spellings(tokenizer, entity: str) -> list[Spelling]:
     return found
 
 
-def _span_ids(tokenizer, text: str, start: int, end: int, **kwargs) -> list[int]:
-    """Ids of the tokens of `text` whose characters overlap [start, end) (a leading space of the first
-    one included, whether or not the tokenizer's offsets count it)."""
-    encoded = _encode(tokenizer, text, add_special_tokens=False, **kwargs)
+def _span_ids(tokenizer, text: str, start: int, end: int) -> list[int]:
+    """Ids of the tokens of `text` that cover its characters [start, end) (`_covering`)."""
+    encoded = _encode(tokenizer, text, add_special_tokens=False)
+    return [encoded["input_ids"][p] for p in _covering(text, encoded["offset_mapping"], start, end)]
+
+
+def _covering(text: str, offsets, start: int, end: int) -> list[int]:
+    """Positions of the tokens whose characters overlap [start, end), the space before `start` included
+    (whether or not the tokenizer's offsets count it); special tokens (empty offsets) never."""
     begin = start - 1 if start and text[start - 1] == " " else start
-    return [i for i, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if a < end and b > begin and b > a]
+    return [p for p, (a, b) in enumerate(offsets) if b > a and a < end and b > begin]
 
 
 def _encode(tokenizer, text: str, **kwargs) -> dict:
@@ -215,7 +221,7 @@ def plan_edit(tokenizer, config, swaps, mode: str = "auto", layers=None) -> Edit
             target = targets[min(i, len(targets) - 1)]  # the same spelling of the target
             pad = pad_token_id(tokenizer) if mode.endswith("_pad") else -1
             applied, reads = map_tokens(source.ids, target.ids, mode, pad)
-            maps.append(RowMap(source, target, applied, reads))
+            maps.append(RowMap(swap, source, target, applied, reads))
     return EditPlan(swaps, mode, tuple(maps), layers)
 
 
@@ -242,14 +248,12 @@ def find_occurrences(tokenizer, prompt: str, plan: EditPlan, which: str = "all")
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     found = []
     for swap in plan.swaps:
-        maps = [m for m in plan.maps if m.source in spellings(tokenizer, swap.source)]
+        maps = [m for m in plan.maps if m.swap == swap]
         mine = []
         start = prompt.find(swap.source)
         while start >= 0:
             end = start + len(swap.source)
-            # the tokens overlapping the entity, the space before it included
-            begin = start - 1 if start and prompt[start - 1] == " " else start
-            positions = [p for p, (a, b) in enumerate(offsets) if b > a and a < end and b > begin]
+            positions = _covering(prompt, offsets, start, end)
             covered = tuple(ids[p] for p in positions)
             row_map = next((m for m in maps if m.source.ids == covered), None)
             inside_a_word = (start and prompt[start - 1].isalnum()) or (end < len(prompt) and prompt[end].isalnum())
@@ -289,15 +293,6 @@ def runtime_edit(model, tokenizer, prompt: str, plan: EditPlan, occurrences: str
         yield found
     finally:
         model.set_stem_row_edit(previous)
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompt: str, new_tokens: int) -> str:
-    """The greedy continuation of `prompt`."""
-    inputs = tokenizer(prompt, return_tensors="pt", return_token_type_ids=False).to(model.device)
-    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 # --- persistent ------------------------------------------------------------------------------------

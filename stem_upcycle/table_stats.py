@@ -40,11 +40,16 @@ def seeded_sample(population: int, size: int, seed: int) -> torch.Tensor:
     return torch.randperm(population, generator=generator)[:size].sort().values
 
 
-def row_norms(tables, layer: int) -> dict:
-    """Mean and P5/P50/P95 of the L2 norms of every row of a table, read CHUNK_ROWS at a time."""
+def chunks(tables, layer: int):
+    """(first row, rows [<= CHUNK_ROWS, d_ff] in fp32) over a whole table, read a chunk at a time."""
     vocab = tables.files[layer].shape[0]
-    norms = torch.cat([tables.read_range(layer, start, min(start + CHUNK_ROWS, vocab)).float().norm(dim=1)
-                       for start in range(0, vocab, CHUNK_ROWS)])
+    for start in range(0, vocab, CHUNK_ROWS):
+        yield start, tables.read_range(layer, start, min(start + CHUNK_ROWS, vocab)).float()
+
+
+def row_norms(tables, layer: int) -> dict:
+    """Mean and P5/P50/P95 of the L2 norms of every row of a table."""
+    norms = torch.cat([rows.norm(dim=1) for _, rows in chunks(tables, layer)])
     return {"mean": float(norms.mean()), **{f"P{p}": float(torch.quantile(norms, p / 100)) for p in PERCENTILES}}
 
 
@@ -98,11 +103,9 @@ def dense_up_spread(model, ids: torch.Tensor, layers, sample: int = 2048, seed: 
 def nearest_rows(tables, layer: int, token: int, top: int = 10) -> list[tuple[int, float]]:
     """The `top` tokens (other than `token`) whose rows in `layer` have the highest cosine with `token`'s."""
     query = torch.nn.functional.normalize(tables.read_rows(layer, torch.tensor([token])).float(), dim=1)[0]
-    vocab = tables.files[layer].shape[0]
     best_cos, best_ids = torch.empty(0), torch.empty(0, dtype=torch.long)
-    for start in range(0, vocab, CHUNK_ROWS):
-        rows = torch.nn.functional.normalize(tables.read_range(layer, start, min(start + CHUNK_ROWS, vocab)).float(), dim=1)
-        cos = rows @ query
+    for start, rows in chunks(tables, layer):
+        cos = torch.nn.functional.normalize(rows, dim=1) @ query
         ids = torch.arange(start, start + len(rows))
         cos[ids == token] = -2.0
         best_cos, order = torch.cat([best_cos, cos]).topk(min(top, len(best_cos) + len(cos)))

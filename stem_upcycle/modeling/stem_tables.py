@@ -53,14 +53,10 @@ class ForwardIds:
     def __init__(self, ids: torch.Tensor, edit: "ForwardEdit | None" = None):
         self.ids = ids
         self.edit = edit
-        lookup = ids if edit is None else torch.cat([ids.flatten(), edit.target_ids.flatten().to(ids.device)])
-        self._on = {lookup.device: lookup}
+        self.lookup = ids if edit is None else torch.cat([ids.flatten(), edit.target_ids.flatten().to(ids.device)])
+        self._on = {self.lookup.device: self.lookup}
         self._unique = None
         self.plan = None  # what a placement prepared for this forward (host: slots or staged rows)
-
-    @property
-    def lookup(self) -> torch.Tensor:
-        return self._on[next(iter(self._on))]
 
     def on(self, device: torch.device) -> torch.Tensor:
         """The lookup ids on `device` (a split model's layers sit on several devices)."""
