@@ -4,6 +4,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from safetensors import safe_open
 from stem_upcycle.cli import main
 from stem_upcycle.convert import plan_conversion, run_conversion
 from stem_upcycle.source import open_source
+from stem_upcycle.training import checkpoint
 from stem_upcycle.training.recipe import load_recipe
 from stem_upcycle.training.trainer import Trainer
 
@@ -46,6 +50,11 @@ def _overrides(ws, *extra):
     return [f"model.source={ws / 'dense'}", f"model.init_from={ws / 'stem'}", f"data.train=[{ws / 'train.txt'}]",
             f"data.eval=[{ws / 'heldout.txt'}]", "data.seq_len=32", "data.eval_tokens=256", "train.batch_size=8",
             "train.micro_batch_size=4", "train.eval_every=0", "train.warmup_steps=2", "tables.lr=0.05", *extra]
+
+
+def _failure(run) -> str:
+    """What a launched run's processes said: every process's error line (the root cause may be any rank's), the tail."""
+    return "\n".join([line for line in run.stderr.splitlines() if "Error" in line] + [run.stderr[-2000:]])
 
 
 def _log(path):
@@ -169,6 +178,55 @@ def test_train_cli_refuses_to_mix_runs(workspace):
     assert result.exit_code == 1 and "train.steps must be positive" in result.output
 
 
+def test_a_checkpoint_is_complete_only_once_every_process_wrote_its_part(tmp_path, monkeypatch):
+    """accelerate's save_state writes a file per process (its RNG state) and returns without waiting for the
+    others: the checkpoint must not be renamed into place before the slowest process wrote. Two threads stand
+    in for two processes, the second one late."""
+    import accelerate.utils
+
+    barrier, sent = threading.Barrier(2, timeout=20), []
+
+    def broadcast(objects):  # the main process's list reaches every process
+        sent.extend(o for o in objects if o is not None)
+        barrier.wait()
+        return list(sent)
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", broadcast)
+
+    class Process:
+        num_processes = 2
+
+        def __init__(self, rank):
+            self.rank, self.is_main_process = rank, rank == 0
+
+        def wait_for_everyone(self):
+            barrier.wait()
+
+        def save_state(self, folder):
+            time.sleep(0.5 * self.rank)
+            os.makedirs(folder, exist_ok=True)
+            (Path(folder) / f"random_states_{self.rank}.pkl").write_bytes(b"state")
+
+    errors = []
+
+    def save(rank):
+        try:
+            checkpoint.save(Process(rank), tmp_path, 3, {}, None, tokens_seen=0, keep=2)
+        except Exception as error:  # reported below, the other thread released
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=save, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert [p.name for p in tmp_path.iterdir()] == ["step-3"]  # no staging folder left behind
+    assert sorted(p.name for p in (tmp_path / "step-3" / "accelerate").iterdir()) == ["random_states_0.pkl",
+                                                                                     "random_states_1.pkl"]
+
+
 def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tables(workspace):
     """2 CPU processes (gloo) with half the batch each = 1 process with the whole batch; the tables and their
     Adam state are one copy on the machine, mapped by both processes (its pages counted once in their PSS);
@@ -186,7 +244,7 @@ def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tabl
                "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "stem_upcycle.cli", "train", str(recipe),
                "--output", str(workspace / "two"), "--quiet", *sets]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, _failure(run)
     one, two = _log(single), _log(workspace / "two")
     assert len(one) == len(two) == 5
     for a, b in zip(one[1:], two[1:]):
@@ -205,7 +263,7 @@ def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tabl
     # Resumed by both processes from the step-3 checkpoint (accelerate's state, tables into the shared copy):
     # step 4 again, with the same loss.
     again = subprocess.run(command + ["--resume"], env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 0, _failure(again)
     resumed = _log(workspace / "two")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4] and resumed[-1]["loss"] == pytest.approx(two[-1]["loss"], rel=1e-6)
 
@@ -274,7 +332,7 @@ def test_two_processes_split_the_calibration_of_the_conversion(workspace):
                "train", str(recipe), "--output", str(workspace / "two"), "--quiet",
                *[w for o in common for w in ("--set", o)]]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, _failure(run)
     assert "read by 2 processes" in run.stderr
     a, b = (safe_open(str(next((workspace / r / "init").glob("*.safetensors"))), "pt") for r in ("one", "two"))
     for name in ("model.layers.0.mlp.up_table.weight", "model.layers.2.mlp.up_table.weight"):

@@ -83,6 +83,7 @@ def save(acc, root: Path, step: int, tables: dict, table_optimizer, tokens_seen:
         partial = [str(staging_dir(root, "step"))]
     partial = Path(broadcast_object_list(partial)[0] if acc.num_processes > 1 else partial[0])
     acc.save_state(str(partial / "accelerate"))
+    acc.wait_for_everyone()  # save_state returns before the other processes wrote their files (RNG states) in it
     if acc.is_main_process:
         tensors = {f"table.{i}": t.weight for i, t in tables.items()}
         if table_optimizer is not None:
