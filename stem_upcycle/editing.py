@@ -3,9 +3,9 @@
 A STEM layer reads one row per token id, so what the model "knows" about an entity sits in the rows
 of the entity's tokens. A swap `SOURCE=TARGET` makes the source's tokens read the target's rows:
 
-- at run time (`runtime_edit`, weights untouched): at the positions where SOURCE stands in one
-  prompt, found from the tokenizer's offsets, the looked-up rows are replaced; the input ids and
-  every other position are unchanged;
+- at run time (`runtime_edit`, weights untouched): at the positions where SOURCE stands in a
+  prompt (or each prompt of a padded batch), found from the tokenizer's offsets, the looked-up rows
+  are replaced; the input ids and every other position are unchanged;
 - persistently (`apply_edit` on a loaded model, `write_edited_model` on checkpoint files): the rows
   of the source's tokens themselves become the target's, so every occurrence reads them.
 
@@ -261,34 +261,54 @@ def find_occurrences(tokenizer, prompt: str, plan: EditPlan, which: str = "all")
                 mine.append(Occurrence(swap, (start, end), tuple(positions), row_map))
             start = prompt.find(swap.source, start + 1)
         if not mine:
-            raise EditError(f"{swap.source!r} does not occur in the prompt as a word of its own; the run-time edit "
-                            f"replaces rows at the entity's positions, so the prompt must contain it")
+            shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+            raise EditError(f"{swap.source!r} does not occur in the prompt {shown!r} as a word of its own; the run-time "
+                            f"edit replaces rows at the entity's positions, so the prompt must contain it")
         found.extend(mine[-1:] if which == "last" else mine)
     return found
 
 
-def row_edit(occurrences: list[Occurrence], layers) -> RowEdit:
-    """The `RowEdit` replacing the rows at the occurrences' positions."""
-    positions, sources, reads = [], [], []
-    for occ in occurrences:
-        for position, token, read in zip(occ.positions, occ.row_map.source.ids, occ.row_map.reads):
-            if position not in positions:
-                positions.append(position)
-                sources.append(token)
-                reads.append(read)
+def row_edit(occurrences: list[list[Occurrence]], layers, pads: list[int] | None = None) -> RowEdit:
+    """The `RowEdit` replacing the rows at the occurrences' positions: `[found]`, one prompt's, for every
+    batch row alike (`pads` None); or a list per batch row, whose prompt follows `pads[row]` padding tokens."""
+    seen, rows, positions, sources, reads = set(), [], [], [], []
+    for row, found in enumerate(occurrences):
+        pad = pads[row] if pads is not None else 0
+        for occ in found:
+            for position, token, read in zip(occ.positions, occ.row_map.source.ids, occ.row_map.reads):
+                if (row, pad + position) not in seen:
+                    seen.add((row, pad + position))
+                    rows.append(row)
+                    positions.append(pad + position)
+                    sources.append(token)
+                    reads.append(read)
     k = max(len(r) for r in reads)
     target_ids = torch.tensor([[t for t, _ in r] + [r[0][0]] * (k - len(r)) for r in reads])  # [n, k]
     weights = torch.tensor([[w for _, w in r] + [0.0] * (k - len(r)) for r in reads], dtype=torch.float32)
-    return RowEdit(torch.tensor(positions), torch.tensor(sources), target_ids, weights, frozenset(layers))
+    return RowEdit(torch.tensor(positions), torch.tensor(sources), target_ids, weights, frozenset(layers),
+                   rows=torch.tensor(rows) if pads is not None else None)
 
 
 @contextmanager
-def runtime_edit(model, tokenizer, prompt: str, plan: EditPlan, occurrences: str = "all"):
+def runtime_edit(model, tokenizer, prompt: str | list[str], plan: EditPlan, occurrences: str = "all"):
     """Within the block, forwards of `prompt` (and generation from it) read the target's rows at the
-    source's positions; yields the occurrences edited. Weights and input ids are untouched."""
-    found = find_occurrences(tokenizer, prompt, plan, occurrences)
+    source's positions; yields the occurrences edited. Weights and input ids are untouched.
+
+    `prompt` may be a list: a batch, as `tokenizer(prompts, padding=True)` pads it (to the longest
+    prompt, on `tokenizer.padding_side`); every prompt must hold each source, and the block yields the
+    occurrences of each."""
+    if isinstance(prompt, str):
+        found = find_occurrences(tokenizer, prompt, plan, occurrences)
+        edit = row_edit([found], plan.layers)
+    else:
+        if not prompt:
+            raise EditError("runtime_edit was given no prompt: pass a string, or a list of the batch's prompts")
+        found = [find_occurrences(tokenizer, p, plan, occurrences) for p in prompt]
+        lengths = [len(_encode(tokenizer, p)["input_ids"]) for p in prompt]
+        left = tokenizer.padding_side == "left"
+        edit = row_edit(found, plan.layers, [max(lengths) - n if left else 0 for n in lengths])
     previous = model.stem_row_edit  # a nested block replaces it, and gives it back
-    model.set_stem_row_edit(row_edit(found, plan.layers))
+    model.set_stem_row_edit(edit)
     try:
         yield found
     finally:

@@ -140,6 +140,51 @@ def test_run_time_edit_follows_the_prompt_through_the_kv_cache_and_last_occurren
         model(ids_of("w1 w6 w2 w3 w5 w4"))  # another input: refused, not edited at the wrong tokens
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_run_time_edit_of_a_padded_batch_edits_each_prompt_at_its_own_positions(stem_dir, side):
+    """A batch of prompts of different lengths, padded as the tokenizer pads it: each row's edited
+    rows are where its own prompt holds the entity, and each row's logits are those of its prompt
+    edited alone; the padding and every other position keep their rows."""
+    model, tokenizer = load(stem_dir), AutoTokenizer.from_pretrained(stem_dir)
+    tokenizer.pad_token, tokenizer.padding_side = "<eos>", side
+    prompts = ["w5 w2", "w1 w3 w4 w5 w5 w2"]  # the entity at position 0 of one, 3 and 4 of the other
+    plan = plan_edit(tokenizer, model.config, ["w5=w9"])
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")
+    pad = 4 if side == "left" else 0  # the short prompt's offset in the batch
+    seen = {}
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda mlp, args, out: seen.update(rows=mlp.up(args[0])))
+    position_ids = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)  # padding does not move the positions
+    with torch.no_grad():
+        plain = model(**batch, position_ids=position_ids).logits
+        plain_rows = seen["rows"]
+        with editing.runtime_edit(model, tokenizer, prompts, plan) as found:
+            assert [[o.positions for o in f] for f in found] == [[(0,)], [(3,), (4,)]]
+            edited = model(**batch, position_ids=position_ids).logits
+            rows = seen["rows"]
+            tokenizer.padding_side = "right" if side == "left" else "left"
+            with pytest.raises(ValueError, match="not the prompt"):  # padded on the other side: refused
+                model(tokenizer(prompts, padding=True, return_tensors="pt")["input_ids"])
+            tokenizer.padding_side = side
+    hook.remove()
+    target = model.model.layers[0].mlp.up_table.weight.detach()[9]
+    changed = [(0, pad), (1, 3), (1, 4)]
+    for row, position in changed:
+        assert torch.equal(rows[row, position], target)
+    keep = torch.ones(rows.shape[:2], dtype=torch.bool)
+    keep[[r for r, _ in changed], [p for _, p in changed]] = False
+    assert torch.equal(rows[keep], plain_rows[keep])  # padding and other tokens: bit-identical
+    for row, prompt in enumerate(prompts):  # each row = its prompt edited alone
+        ids = ids_of(prompt)
+        with editing.runtime_edit(model, tokenizer, prompt, plan):
+            alone = up_rows(model, ids)[1][0]
+        real = batch["attention_mask"][row].bool()
+        torch.testing.assert_close(edited[row][real], alone, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(edited[row][real], plain[row][real])
+    with pytest.raises(EditError, match="w5.*does not occur in the prompt 'w1 w2'"):
+        with editing.runtime_edit(model, tokenizer, ["w5 w1", "w1 w2"], plan):
+            pass
+
+
 def test_layers_subset_edits_only_those_layers(stem_dir):
     model, tokenizer = load(stem_dir), AutoTokenizer.from_pretrained(stem_dir)
     ids = ids_of(PROMPT)

@@ -86,7 +86,11 @@ class ForwardIds:
         target = extra.view(*self.edit.target_ids.shape, -1)  # [n, k, d_ff]
         weights = self.edit.weights.to(target.device, target.dtype)[..., None]  # [n, k, 1]
         own = own.clone()
-        own[:, self.edit.positions.to(own.device)] = (target * weights).sum(1)  # every batch row alike
+        positions, rows = self.edit.positions.to(own.device), self.edit.rows
+        if rows is None:
+            own[:, positions] = (target * weights).sum(1)  # every batch row alike
+        else:
+            own[rows.to(own.device), positions] = (target * weights).sum(1)  # each row its prompt's positions
         return own
 
 
@@ -98,6 +102,7 @@ class ForwardEdit:
     target_ids: torch.Tensor  # [n, k]
     weights: torch.Tensor  # [n, k]
     layers: frozenset | None
+    rows: torch.Tensor | None = None  # [n] batch row of each position; None: every row
 
     def edits(self, layer: int | None) -> bool:
         return self.layers is None or layer in self.layers
@@ -110,15 +115,17 @@ class RowEdit:
     tables and every other position are untouched. Set on a model with `model.set_stem_row_edit(edit)`,
     for the forwards of the calling thread.
 
-    Positions count from the sequence's first token, so the edit follows a prompt through a KV cache:
-    the forward reading positions p..p+s-1 (p: tokens already cached) edits those that fall there,
-    after checking that the input holds the edit's source ids at them."""
+    Positions count from the sequence's first token (padding included), so the edit follows a prompt
+    through a KV cache: the forward reading positions p..p+s-1 (p: tokens already cached) edits those
+    that fall there, after checking that the input holds the edit's source ids at them. `rows` names
+    the batch row of each position (a batch of different prompts); without it every row is edited alike."""
 
-    positions: torch.Tensor  # [n] distinct positions in the sequence
+    positions: torch.Tensor  # [n] positions in the sequence
     source_ids: torch.Tensor  # [n] the ids the input holds there
     target_ids: torch.Tensor  # [n, k] ids whose rows, weighted, replace the row at each position
     weights: torch.Tensor  # [n, k] (0 for the padding of positions that read fewer than k ids)
     layers: frozenset | None = None  # STEM layers edited; None: all
+    rows: torch.Tensor | None = None  # [n] batch row of each position; None: every batch row
 
     def for_forward(self, ids: torch.Tensor, past: int) -> ForwardEdit | None:
         """The edit of a forward of `ids` [batch, seq] after `past` cached tokens; None if it edits none."""
@@ -126,12 +133,18 @@ class RowEdit:
         if not bool(inside.any()):
             return None
         local = self.positions[inside] - past
-        found = ids[:, local.to(ids.device)].cpu()  # [batch, n]: a copy per edited forward (the prompt's)
+        rows = None if self.rows is None else self.rows[inside]
+        if rows is not None and int(rows.max()) >= ids.shape[0]:
+            raise ValueError(f"the row edit was made for a batch of at least {int(rows.max()) + 1} prompts and the "
+                             f"input holds {ids.shape[0]}: the input is not the batch the edit was made for")
+        found = ids[:, local.to(ids.device)] if rows is None else ids[rows.to(ids.device), local.to(ids.device)]
+        found = found.cpu()  # [batch, n] or [n]: a copy per edited forward (the prompt's)
         if not bool((found == self.source_ids[inside]).all()):
             raise ValueError(f"the row edit expects ids {self.source_ids[inside].tolist()} at positions "
-                             f"{self.positions[inside].tolist()} and the input holds {found[0].tolist()}: "
-                             f"the input is not the prompt the edit was made for")
-        return ForwardEdit(local, self.target_ids[inside], self.weights[inside], self.layers)
+                             f"{self.positions[inside].tolist()} and the input holds {found.tolist()}: "
+                             f"the input is not the prompt the edit was made for (a batch: padded to its longest "
+                             f"prompt on the tokenizer's padding side)")
+        return ForwardEdit(local, self.target_ids[inside], self.weights[inside], self.layers, rows)
 
 
 def cached_length(kwargs: dict) -> int:
