@@ -141,7 +141,7 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
                    "pip install 'stem-upcycle[plot]').")
 @click.option("--nearest", metavar="TOKEN", help="List the tokens whose rows in --layer lie closest (cosine) to "
                                                  "TOKEN's: one token as written (e.g. ' Spain') or id:N.")
-@click.option("--layer", type=int, help="With --nearest: the STEM layer.")
+@click.option("--layer", type=int, help="With --nearest: the STEM layer; with --tables: that layer only.")
 @click.option("--top", default=10, show_default=True, help="With --nearest: how many tokens.")
 @_fail_cleanly
 def inspect(path, as_json, table_stats, sample, seed, reference, text_files, text_tokens, plot_path, nearest, layer,
@@ -154,10 +154,13 @@ def inspect(path, as_json, table_stats, sample, seed, reference, text_files, tex
     source = open_source(path)
     if nearest is not None and table_stats:
         raise click.UsageError("give --tables or --nearest, not both")
+    if nearest is None and click.get_current_context().get_parameter_source("top") != click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--top goes with --nearest")
     if nearest is not None:
         click.echo(_nearest(source, nearest, layer, top, as_json))
     elif table_stats:
-        click.echo(_table_statistics(source, sample, seed, reference, text_files, text_tokens, plot_path, as_json))
+        click.echo(_table_statistics(source, layer, sample, seed, reference, text_files, text_tokens, plot_path,
+                                     as_json))
     else:
         if any((reference, text_files, plot_path, layer is not None)):
             raise click.UsageError("--reference, --text, --plot and --layer go with --tables or --nearest")
@@ -183,12 +186,12 @@ def _nearest(source, token, layer, top, as_json) -> str:
     return "\n".join(lines)
 
 
-def _table_statistics(source, sample, seed, reference, text_files, text_tokens, plot_path, as_json) -> str:
+def _table_statistics(source, layer, sample, seed, reference, text_files, text_tokens, plot_path, as_json) -> str:
     from . import table_stats
     from .evaluate import read_token_ids
     from .loading import load_model, load_tokenizer, stem_tables
 
-    tables = stem_tables(source)
+    tables = stem_tables(source, None if layer is None else [layer])
     if reference and not text_files:
         raise click.UsageError("--reference needs --text: the dense up-projection outputs are read on a text")
     text_ids = read_token_ids(list(text_files), load_tokenizer(source), text_tokens) if text_files else None

@@ -64,6 +64,8 @@ def test_table_statistics_match_a_direct_computation_and_are_seeded(stem_dir, de
     assert stats["dense_up"]["layers"]["2"]["P95"] == pytest.approx(direct["P95"], rel=1e-4)
     again = json.loads(invoke("inspect", path, "--tables", "--sample", 40, "--seed", 3, "--json")[1])
     assert again["layers"]["2"]["spread"] == stats["layers"]["2"]["spread"]  # the same sample, the same numbers
+    one = json.loads(invoke("inspect", path, "--tables", "--layer", 2, "--sample", 40, "--seed", 3, "--json")[1])
+    assert list(one["layers"]) == ["2"] and one["layers"]["2"] == again["layers"]["2"]  # one layer read, the same
 
     code, out = invoke("inspect", path, "--tables", "--sample", 40, "--text", text, "--plot", tmp_path / "spread.png")
     assert code == 0, out
@@ -103,6 +105,8 @@ def test_table_inspection_errors_are_one_line(stem_dir, dense_dir, tmp_path):
         (["inspect", path, "--plot", tmp_path / "x.png"], "go with --tables"),
         (["inspect", path, "--nearest", "id:96", "--layer", 2], "ids 0-95"),
         (["inspect", path, "--tables", "--sample", 1], "--sample"),
+        (["inspect", path, "--tables", "--layer", 1], "layer 1 is not a STEM layer"),
+        (["inspect", path, "--tables", "--top", 3], "--top goes with --nearest"),
     ]
     for args, message in cases:
         code, out = invoke(*args)
