@@ -151,19 +151,24 @@ def inspect(path, as_json, table_stats, sample, seed, reference, text_files, tex
     from .source import open_source
     from .summary import summarize
 
-    source = open_source(path)
     if nearest is not None and table_stats:
         raise click.UsageError("give --tables or --nearest, not both")
-    if nearest is None and click.get_current_context().get_parameter_source("top") != click.core.ParameterSource.DEFAULT:
-        raise click.UsageError("--top goes with --nearest")
+    context = click.get_current_context()
+    given = {p.name: p.opts[0] for p in context.command.params
+             if context.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT}
+    belong = {"--tables": (table_stats, ("sample", "seed", "reference", "text_files", "text_tokens", "plot_path")),
+              "--nearest": (nearest is not None, ("top",)), "--tables or --nearest": (table_stats or nearest is not None,
+                                                                                    ("layer",))}
+    for owner, (chosen, names) in belong.items():
+        if stray := [given[n] for n in names if n in given and not chosen]:
+            raise click.UsageError(f"{', '.join(stray)} go{'es' if len(stray) == 1 else ''} with {owner}")
+    source = open_source(path)
     if nearest is not None:
         click.echo(_nearest(source, nearest, layer, top, as_json))
     elif table_stats:
         click.echo(_table_statistics(source, layer, sample, seed, reference, text_files, text_tokens, plot_path,
                                      as_json))
     else:
-        if any((reference, text_files, plot_path, layer is not None)):
-            raise click.UsageError("--reference, --text, --plot and --layer go with --tables or --nearest")
         summary = summarize(source)
         click.echo(json.dumps(summary.as_dict()) if as_json else summary.describe())
 

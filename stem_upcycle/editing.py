@@ -268,25 +268,20 @@ def find_occurrences(tokenizer, prompt: str, plan: EditPlan, which: str = "all")
     return found
 
 
-def row_edit(occurrences: list[list[Occurrence]], layers, pads: list[int] | None = None) -> RowEdit:
-    """The `RowEdit` replacing the rows at the occurrences' positions: `[found]`, one prompt's, for every
-    batch row alike (`pads` None); or a list per batch row, whose prompt follows `pads[row]` padding tokens."""
-    seen, rows, positions, sources, reads = set(), [], [], [], []
+def row_edit(occurrences: list[list[Occurrence]], layers, prompt_ids: torch.Tensor) -> RowEdit:
+    """The `RowEdit` replacing the rows at the occurrences found in each prompt: a list per row of
+    `prompt_ids` [b, L] (-1 at the padding), positions in a prompt counted from its first token."""
+    reads = {}  # (row, position in the padded prompt) -> the (target id, weight) pairs read there; first wins
     for row, found in enumerate(occurrences):
-        pad = pads[row] if pads is not None else 0
+        pad = int((prompt_ids[row] < 0).int().cumprod(0).sum())  # padding before the prompt (left padding)
         for occ in found:
-            for position, token, read in zip(occ.positions, occ.row_map.source.ids, occ.row_map.reads):
-                if (row, pad + position) not in seen:
-                    seen.add((row, pad + position))
-                    rows.append(row)
-                    positions.append(pad + position)
-                    sources.append(token)
-                    reads.append(read)
-    k = max(len(r) for r in reads)
-    target_ids = torch.tensor([[t for t, _ in r] + [r[0][0]] * (k - len(r)) for r in reads])  # [n, k]
-    weights = torch.tensor([[w for _, w in r] + [0.0] * (k - len(r)) for r in reads], dtype=torch.float32)
-    return RowEdit(torch.tensor(positions), torch.tensor(sources), target_ids, weights, frozenset(layers),
-                   rows=torch.tensor(rows) if pads is not None else None)
+            for position, read in zip(occ.positions, occ.row_map.reads):
+                reads.setdefault((row, pad + position), read)
+    k = max(len(r) for r in reads.values())
+    target_ids = torch.tensor([[t for t, _ in r] + [r[0][0]] * (k - len(r)) for r in reads.values()])  # [n, k]
+    weights = torch.tensor([[w for _, w in r] + [0.0] * (k - len(r)) for r in reads.values()], dtype=torch.float32)
+    rows, positions = torch.tensor(list(reads)).T
+    return RowEdit(prompt_ids, rows, positions, target_ids, weights, frozenset(layers))
 
 
 @contextmanager
@@ -294,23 +289,22 @@ def runtime_edit(model, tokenizer, prompt: str | list[str], plan: EditPlan, occu
     """Within the block, forwards of `prompt` (and generation from it) read the target's rows at the
     source's positions; yields the occurrences edited. Weights and input ids are untouched.
 
-    `prompt` may be a list: a batch, as `tokenizer(prompts, padding=True)` pads it (to the longest
-    prompt, on `tokenizer.padding_side`); every prompt must hold each source, and the block yields the
-    occurrences of each."""
-    if isinstance(prompt, str):
-        found = find_occurrences(tokenizer, prompt, plan, occurrences)
-        edit = row_edit([found], plan.layers)
-    else:
-        if not prompt:
-            raise EditError("runtime_edit was given no prompt: pass a string, or a list of the batch's prompts")
-        found = [find_occurrences(tokenizer, p, plan, occurrences) for p in prompt]
-        lengths = [len(_encode(tokenizer, p)["input_ids"]) for p in prompt]
-        left = tokenizer.padding_side == "left"
-        edit = row_edit(found, plan.layers, [max(lengths) - n if left else 0 for n in lengths])
+    `prompt` may be a list, a batch: padded as `tokenizer(prompts, padding=True)` pads it (to the
+    longest prompt, on `tokenizer.padding_side`); every prompt must hold each source, and the block
+    yields the occurrences of each."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts:
+        raise EditError("runtime_edit was given no prompt: pass a string, or a list of the batch's prompts")
+    found = [find_occurrences(tokenizer, p, plan, occurrences) for p in prompts]
+    if len(prompts) > 1 and tokenizer.pad_token is None:
+        raise EditError("a batch of prompts is padded, and the tokenizer has no pad token: set tokenizer.pad_token "
+                        "(e.g. to its EOS token) and pad the batch with it")
+    batch = tokenizer(prompts, padding=len(prompts) > 1, return_attention_mask=True, return_tensors="pt")
+    prompt_ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)  # [b, L], -1 at the padding
     previous = model.stem_row_edit  # a nested block replaces it, and gives it back
-    model.set_stem_row_edit(edit)
+    model.set_stem_row_edit(row_edit(found, plan.layers, prompt_ids))
     try:
-        yield found
+        yield found[0] if isinstance(prompt, str) else found
     finally:
         model.set_stem_row_edit(previous)
 

@@ -185,6 +185,48 @@ def test_run_time_edit_of_a_padded_batch_edits_each_prompt_at_its_own_positions(
             pass
 
 
+def test_run_time_edit_of_a_batch_through_generate_beams_and_a_wrong_padding(stem_dir):
+    """generate() on a left-padded batch = each prompt edited alone; beams repeat each prompt in place
+    and every copy is edited; a batch padded otherwise, even where the entity's tokens line up, a batch
+    of another size and a tokenizer without a pad token are refused."""
+    model, tokenizer = load(stem_dir), AutoTokenizer.from_pretrained(stem_dir)
+    plan = plan_edit(tokenizer, model.config, ["w5=w9"])
+    prompts = ["w5 w5", "w1 w5 w5"]
+    with pytest.raises(EditError, match="no pad token"):
+        with editing.runtime_edit(model, tokenizer, prompts, plan):
+            pass
+    tokenizer.pad_token, tokenizer.padding_side = "<eos>", "left"
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with editing.runtime_edit(model, tokenizer, prompts, plan, occurrences="last"):
+        together = model.generate(**batch, **kwargs)
+    for row, prompt in enumerate(prompts):
+        with editing.runtime_edit(model, tokenizer, prompt, plan, occurrences="last"):
+            alone = model.generate(ids_of(prompt), **kwargs)
+        assert torch.equal(together.sequences[row, -4:], alone.sequences[0, -4:])
+        torch.testing.assert_close(torch.stack(together.scores)[:, row], torch.stack(alone.scores)[:, 0],
+                                   rtol=1e-5, atol=1e-5)
+
+    prefill = []
+    hook = model.model.layers[0].mlp.register_forward_hook(
+        lambda mlp, args, out: prefill.append(mlp.up(args[0])) if not prefill else None)
+    with editing.runtime_edit(model, tokenizer, prompts, plan, occurrences="last"):
+        model.generate(**batch, num_beams=2, num_return_sequences=2, max_new_tokens=2, pad_token_id=0)
+    hook.remove()
+    rows, target = prefill[0], model.model.layers[0].mlp.up_table.weight.detach()[9]
+    assert rows.shape[0] == 4  # each prompt twice, in place: [p0, p0, p1, p1]
+    for row in range(4):  # the last w5 of each prompt stands at padded position 2
+        assert torch.equal(rows[row, 2], target) and not torch.equal(rows[row, 1], target)
+
+    with editing.runtime_edit(model, tokenizer, prompts, plan, occurrences="last"):
+        with pytest.raises(ValueError, match="made for 2 prompts and the input holds 3 rows"):
+            model(torch.cat([batch["input_ids"], batch["input_ids"][:1]]))
+    tokenizer.padding_side = "right"  # the edit made for right padding: row 0's last w5 at position 1 ...
+    with editing.runtime_edit(model, tokenizer, prompts, plan, occurrences="last"):
+        with pytest.raises(ValueError, match="not the prompt"):  # ... where the left-padded batch holds a w5 too
+            model(batch["input_ids"])
+
+
 def test_layers_subset_edits_only_those_layers(stem_dir):
     model, tokenizer = load(stem_dir), AutoTokenizer.from_pretrained(stem_dir)
     ids = ids_of(PROMPT)

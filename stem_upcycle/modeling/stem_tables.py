@@ -86,23 +86,19 @@ class ForwardIds:
         target = extra.view(*self.edit.target_ids.shape, -1)  # [n, k, d_ff]
         weights = self.edit.weights.to(target.device, target.dtype)[..., None]  # [n, k, 1]
         own = own.clone()
-        positions, rows = self.edit.positions.to(own.device), self.edit.rows
-        if rows is None:
-            own[:, positions] = (target * weights).sum(1)  # every batch row alike
-        else:
-            own[rows.to(own.device), positions] = (target * weights).sum(1)  # each row its prompt's positions
+        own[self.edit.rows.to(own.device), self.edit.positions.to(own.device)] = (target * weights).sum(1)
         return own
 
 
 @dataclass(frozen=True)
 class ForwardEdit:
-    """The part of a `RowEdit` that falls in one forward: positions counted from its first token."""
+    """The part of a `RowEdit` that falls in one forward: batch rows and positions of its input."""
 
-    positions: torch.Tensor  # [n]
+    rows: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n] counted from the forward's first token
     target_ids: torch.Tensor  # [n, k]
     weights: torch.Tensor  # [n, k]
     layers: frozenset | None
-    rows: torch.Tensor | None = None  # [n] batch row of each position; None: every row
 
     def edits(self, layer: int | None) -> bool:
         return self.layers is None or layer in self.layers
@@ -110,41 +106,49 @@ class ForwardEdit:
 
 @dataclass(frozen=True)
 class RowEdit:
-    """A run-time edit of the rows a STEM model looks up: at some positions of a sequence, the
-    weighted sum of other ids' rows replaces the row of the id there, in some STEM layers. Input ids,
-    tables and every other position are untouched. Set on a model with `model.set_stem_row_edit(edit)`,
-    for the forwards of the calling thread.
+    """A run-time edit of the rows a STEM model looks up: at some positions of a prompt, the weighted
+    sum of other ids' rows replaces the row of the id there, in some STEM layers. Input ids, tables
+    and every other position are untouched. Set on a model with `model.set_stem_row_edit(edit)`, for
+    the forwards of the calling thread.
 
-    Positions count from the sequence's first token (padding included), so the edit follows a prompt
-    through a KV cache: the forward reading positions p..p+s-1 (p: tokens already cached) edits those
-    that fall there, after checking that the input holds the edit's source ids at them. `rows` names
-    the batch row of each position (a batch of different prompts); without it every row is edited alike."""
+    It is made for a prompt, or a padded batch of prompts (`prompt_ids`, -1 at the padding), and a
+    forward is checked to hold every token of them: an input that is another prompt, or the batch
+    padded otherwise, is refused rather than edited at the wrong tokens. A batch of b*m rows is the
+    b prompts each repeated m times in place (as generate() repeats them for beams or several
+    returned sequences); one prompt edits every row of a batch of it. Positions count from the
+    sequence's first token (padding included), so the edit follows the prompt through a KV cache:
+    the forward reading positions p..p+s-1 (p: tokens already cached) edits those that fall there."""
 
-    positions: torch.Tensor  # [n] positions in the sequence
-    source_ids: torch.Tensor  # [n] the ids the input holds there
+    prompt_ids: torch.Tensor  # [b, L] the prompts as the input holds them, -1 at the padding
+    rows: torch.Tensor  # [n] the prompt (row of prompt_ids) of each edited position
+    positions: torch.Tensor  # [n] positions in the padded prompt; (row, position) pairs distinct
     target_ids: torch.Tensor  # [n, k] ids whose rows, weighted, replace the row at each position
     weights: torch.Tensor  # [n, k] (0 for the padding of positions that read fewer than k ids)
     layers: frozenset | None = None  # STEM layers edited; None: all
-    rows: torch.Tensor | None = None  # [n] batch row of each position; None: every batch row
 
     def for_forward(self, ids: torch.Tensor, past: int) -> ForwardEdit | None:
         """The edit of a forward of `ids` [batch, seq] after `past` cached tokens; None if it edits none."""
         inside = (self.positions >= past) & (self.positions < past + ids.shape[1])
         if not bool(inside.any()):
             return None
-        local = self.positions[inside] - past
-        rows = None if self.rows is None else self.rows[inside]
-        if rows is not None and int(rows.max()) >= ids.shape[0]:
-            raise ValueError(f"the row edit was made for a batch of at least {int(rows.max()) + 1} prompts and the "
-                             f"input holds {ids.shape[0]}: the input is not the batch the edit was made for")
-        found = ids[:, local.to(ids.device)] if rows is None else ids[rows.to(ids.device), local.to(ids.device)]
-        found = found.cpu()  # [batch, n] or [n]: a copy per edited forward (the prompt's)
-        if not bool((found == self.source_ids[inside]).all()):
-            raise ValueError(f"the row edit expects ids {self.source_ids[inside].tolist()} at positions "
-                             f"{self.positions[inside].tolist()} and the input holds {found.tolist()}: "
-                             f"the input is not the prompt the edit was made for (a batch: padded to its longest "
-                             f"prompt on the tokenizer's padding side)")
-        return ForwardEdit(local, self.target_ids[inside], self.weights[inside], self.layers, rows)
+        prompts, length = self.prompt_ids.shape
+        if ids.shape[0] % prompts:
+            raise ValueError(f"the row edit was made for {prompts} prompts and the input holds {ids.shape[0]} rows: "
+                             f"the input is not the batch the edit was made for")
+        copies = ids.shape[0] // prompts  # rows per prompt, in place: prompt r is rows r*copies .. r*copies+copies-1
+        stop = min(past + ids.shape[1], length)
+        expected = self.prompt_ids[:, past:stop].repeat_interleave(copies, 0)  # [batch, stop - past]
+        found = ids[:, : stop - past].cpu()  # a copy per forward that edits (the prompt's)
+        wrong = ((expected >= 0) & (expected != found)).any(1)
+        if bool(wrong.any()):
+            row = int(wrong.nonzero()[0])
+            raise ValueError(f"the row edit expects ids {expected[row].tolist()} at positions {past}-{stop - 1} of row "
+                             f"{row} (-1: padding) and the input holds {found[row].tolist()}: the input is not the "
+                             f"prompt the edit was made for (a batch: padded as the tokenizer pads it)")
+        rows = (self.rows[inside][:, None] * copies + torch.arange(copies)).flatten()  # [n * copies]
+        return ForwardEdit(rows, (self.positions[inside] - past).repeat_interleave(copies),
+                           self.target_ids[inside].repeat_interleave(copies, 0),
+                           self.weights[inside].repeat_interleave(copies, 0), self.layers)
 
 
 def cached_length(kwargs: dict) -> int:
