@@ -15,6 +15,13 @@ from .layers import DEFAULT_LAYERS
 from .modeling.stem_tables import PLACEMENTS, StemTablesError
 
 
+def _given_options() -> dict[str, str]:
+    """The current command's parameters given on the command line (not left at their defaults): name -> flag."""
+    context = click.get_current_context()
+    return {p.name: p.opts[0] for p in context.command.params
+            if context.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT}
+
+
 def _fail_cleanly(fn):
     """Turn a UserError into Click's one-line `Error: ...` and exit status 1."""
 
@@ -153,9 +160,7 @@ def inspect(path, as_json, table_stats, sample, seed, reference, text_files, tex
 
     if nearest is not None and table_stats:
         raise click.UsageError("give --tables or --nearest, not both")
-    context = click.get_current_context()
-    given = {p.name: p.opts[0] for p in context.command.params
-             if context.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT}
+    given = _given_options()
     belong = {"--tables": (table_stats, ("sample", "seed", "reference", "text_files", "text_tokens", "plot_path")),
               "--nearest": (nearest is not None, ("top",)), "--tables or --nearest": (table_stats or nearest is not None,
                                                                                     ("layer",))}
@@ -248,9 +253,7 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
     from .source import open_source
 
     if undo:
-        context = click.get_current_context()
-        given = [param.opts[0] for param in context.command.params if param.name not in ("model", "output", "undo")
-                 and context.get_parameter_source(param.name) != click.core.ParameterSource.DEFAULT]
+        given = [flag for name, flag in _given_options().items() if name not in ("model", "output", "undo")]
         if given:
             raise click.UsageError(f"--undo takes only MODEL and --output, not {', '.join(given)}")
         count = editing.undo_edits(open_source(model).directory or model, output)
