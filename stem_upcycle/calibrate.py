@@ -103,6 +103,9 @@ class CalibratedInit(ClosedFormInit):
         per_layer = self.seen.numel() * d_ff * 4 * 2
         group = max(1, CALIB_MEMORY_BYTES // per_layer)
         activation = ACT2FN[plan.config.stem_activation]
+        # A window's first token keeps the dense up-projection (StemMLP): its rows never serve it, and its
+        # hidden states (its id's alone, the attention sink) are no context of the token's other uses.
+        skip = 1 if plan.config.stem_dense_first_token else 0
         device = model.device  # accumulate where the model runs (the teacher may already sit on a GPU)
         compact = compact.to(device)
         rank, world, reduce = plan.init_options.get("shard", (0, 1, None))
@@ -119,7 +122,7 @@ class CalibratedInit(ClosedFormInit):
                            for k, v in mlp_projections(self.source.tensors, self.family, layer).items()}
                 mlp = model.base_model.layers[layer].mlp
                 hooks.append(mlp.register_forward_pre_hook(self._accumulator(
-                    sums[layer], weights, activation, current, stop=layer == layers[-1])))
+                    sums[layer], weights, activation, current, skip, stop=layer == layers[-1])))
             try:
                 bar = tqdm(windows, desc=f"calibrate layers {layers[0]}-{layers[-1]}", unit="window",
                            disable=not self.progress, file=sys.stderr)
@@ -140,18 +143,18 @@ class CalibratedInit(ClosedFormInit):
                 means[layer] = (num / den.clamp_min(1e-12)).cpu()
         return means
 
-    def _accumulator(self, sums, weights, activation, current, stop: bool):
+    def _accumulator(self, sums, weights, activation, current, skip: int, stop: bool):
         num, den = sums
 
         def hook(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [tokens, d]
+            x = args[0][:, skip:].reshape(-1, args[0].shape[-1]).float()  # [tokens, d]
             up = torch.nn.functional.linear(x, weights["up"], weights["up_bias"])  # [tokens, d_ff]
             if self.gate_weighted:
                 gate = activation(torch.nn.functional.linear(x, weights["gate"], weights["gate_bias"]))
                 w = gate.square()
             else:
                 w = torch.ones_like(up)
-            index = current["index"]
+            index = current["index"][skip:]
             num.index_add_(0, index, w * up)
             den.index_add_(0, index, w)
             if stop:

@@ -38,6 +38,7 @@ up-projection is replaced by a table with one row of size {cfg.intermediate_size
 | STEM layers | {len(plan.layers)} of {cfg.num_hidden_layers}: {plan.layers} |
 | table init | `{plan.init}`: {INITIALISERS[plan.init].description} |
 | tables | {len(tables)} x [{cfg.vocab_size}, {cfg.intermediate_size}], {tables[0].dtype} |
+| first token | {"dense up-projection (kept for each sequence's first token)" if cfg.stem_dense_first_token else "its table row"} |
 | weights | {plan.total_bytes / 1e9:.2f} GB in {len(plan.shards)} safetensors shard(s) |
 | made with | `{command or "stem_upcycle.convert"}` |
 

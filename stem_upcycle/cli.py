@@ -7,7 +7,7 @@ import sys
 import click
 
 from .card import UNTRAINED_WARNING
-from .convert import DTYPES
+from .convert import DTYPES, FIRST_TOKEN
 from .editing import MODES
 from .errors import UserError
 from .initialisers import INITIALISERS
@@ -56,6 +56,9 @@ def main():
               help="Of the calibration tokens, this many are text sampled from SOURCE itself (generated once, cached), "
                    "so that tokens the calibration text never shows get calibrated rows; alone, a data-free init.")
 @click.option("--calib-seq-len", default=512, show_default=True, help="Tokens per calibration forward.")
+@click.option("--first-token", type=click.Choice(FIRST_TOKEN), default="dense", show_default=True,
+              help="What a sequence's first token (the attention sink, whose hidden states are its id's alone) reads in "
+                   "a STEM layer: dense keeps the layer's up-projection for that token, table its row.")
 @click.option("--device", default="auto", show_default=True,
               help="Where the dense model reads the calibration text (fp32): auto (the GPU if there is one), cpu, cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
@@ -65,8 +68,8 @@ def main():
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, device, dtype,
-            max_shard_size, overwrite, dry_run, quiet):
+def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, device,
+            dtype, max_shard_size, overwrite, dry_run, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id already in the local cache, a .gguf file,
@@ -93,15 +96,15 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
         options.update(generated_calibration(src, options["dense_model"], calib_generate, calib_tokens,
                                              progress=not quiet))
     plan = plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
-                           init_options=options, progress=not quiet, dry_run=dry_run)
+                           init_options=options, progress=not quiet, dry_run=dry_run, first_token=first_token)
     click.echo(plan.describe())
     if dry_run:
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)
         click.echo("dry run: nothing written")
         return
     # The command as run, with every default spelled out, for the model card.
-    words = ["stem-upcycle", "convert", source, out, "--layers", layers, "--init", init, "--dtype", dtype,
-             "--max-shard-size", str(max_shard_size)]
+    words = ["stem-upcycle", "convert", source, out, "--layers", layers, "--init", init, "--first-token", first_token,
+             "--dtype", dtype, "--max-shard-size", str(max_shard_size)]
     if calib_data or calib_generate:
         words += [w for f in calib_data for w in ("--calib-data", f)]
         words += ["--calib-tokens", str(calib_tokens), "--calib-generate", str(calib_generate),

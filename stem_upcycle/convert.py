@@ -20,7 +20,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from . import card
 from .errors import UserError
-from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE, Family, family_for, layer_name
+from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE, STEM_UP, Family, family_for, layer_name
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS, parse_layers
 from .sensitivity import auto_fraction, check_auto, is_auto, select_layers
@@ -45,6 +45,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 # Tables are computed in fp32 and cast when written. Measured on this project's AVX2 CPU (no native
 # bf16): fp32 mm ~100 GFLOP/s, bf16 1-15 GFLOP/s depending on layout, fp16 slower still.
 COMPUTE_DTYPE = torch.float32
+FIRST_TOKEN = ("dense", "table")  # --first-token: what a sequence's first token reads in a STEM layer (StemMLP)
 
 
 class ConversionError(UserError):
@@ -53,10 +54,10 @@ class ConversionError(UserError):
 
 @dataclass(frozen=True)
 class Copy:
-    """An output tensor taken from a source tensor (rows [0, rows) of it when rows is set)."""
+    """An output tensor taken from a source tensor (rows [start, stop) of it when rows is set)."""
 
     source_name: str
-    rows: int | None = None
+    rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,13 +154,20 @@ def plan_conversion(
     init_options: dict | None = None,
     progress: bool = False,
     dry_run: bool = False,
+    first_token: str = "dense",
 ) -> ConversionPlan:
     """Decide every output tensor and shard without reading any weight (`--layers auto:` reads them to
-    measure the layers, except in a dry run, which plans for as many layers without choosing them)."""
+    measure the layers, except in a dry run, which plans for as many layers without choosing them).
+
+    `first_token`: "dense" keeps each STEM layer's up-projection for the sequences' first tokens
+    (see `StemMLP`), "table" reads their rows like any other token's."""
     dense = source.config
     family = family_for(dense.model_type)
     _refuse_quantized(source)
     _check_mlp_tensors(source, family)
+    if first_token not in FIRST_TOKEN:
+        raise ConversionError(f"--first-token {first_token!r} is unknown; choose {' or '.join(FIRST_TOKEN)}")
+    dense_first = first_token == "dense"
     if init not in INITIALISERS:
         raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
     init_options = dict(init_options or {})
@@ -172,7 +180,7 @@ def plan_conversion(
         check_auto(layers, init)
         auto_spec, stem_layers = layers, parse_layers(auto_fraction(layers), dense.num_hidden_layers)
     elif is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
-        provisional = stem_config(dense, family, [0], init, torch.float32, False)
+        provisional = stem_config(dense, family, [0], init, torch.float32, False, dense_first)
         stem_layers, init_options["calibration"] = select_layers(layers, source, family, provisional, init, init_options,
                                                                  progress)
     else:
@@ -184,7 +192,7 @@ def plan_conversion(
     d_ff = dense.intermediate_size
     dropped = set()
     for layer in stem_layers:  # the up-projection (and its bias) is what the table replaces
-        if not family.fused_gate_up:  # a fused gate_up is cut to its gate rows below
+        if not (family.fused_gate_up or dense_first):  # a fused gate_up is cut to its gate rows below
             dropped |= {layer_name(layer, family.up + ".weight"), layer_name(layer, family.up + ".bias")}
     if getattr(dense, "tie_word_embeddings", False):
         dropped.add(LM_HEAD)  # tied: stored once, as the embedding
@@ -194,7 +202,11 @@ def plan_conversion(
         kind = tensors.dtype(name)
         shape, out_name, producer = tensors.shape(name), name, Copy(name)
         if family.fused_gate_up and layer in stem_layers and name == layer_name(layer, family.fused_gate_up + ".weight"):
-            out_name, shape, producer = layer_name(layer, STEM_GATE + ".weight"), (d_ff, shape[1]), Copy(name, d_ff)
+            out_name, shape, producer = layer_name(layer, STEM_GATE + ".weight"), (d_ff, shape[1]), Copy(name, (0, d_ff))
+            if dense_first:  # the up rows of the fused matrix, under the name a STEM MLP gives them
+                up = layer_name(layer, STEM_UP + ".weight")
+                specs.append(TensorSpec(up, (d_ff, shape[1]), out_dtype))
+                producers[up] = Copy(name, (d_ff, 2 * d_ff))
         specs.append(TensorSpec(out_name, shape, out_dtype if kind.is_floating_point else kind))
         producers[out_name] = producer
         last_of_layer = position + 1 == len(names) or _layer_of(names[position + 1]) != layer
@@ -203,7 +215,7 @@ def plan_conversion(
             specs.append(TensorSpec(table, (dense.vocab_size, d_ff), out_dtype))
             producers[table] = Table(layer)
     has_bias = layer_name(stem_layers[0], STEM_GATE + ".bias") in producers
-    config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias)
+    config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias, dense_first)
     try:
         max_bytes = convert_file_size_to_int(max_shard_size)
     except ValueError:
@@ -272,7 +284,8 @@ def resolve_dtype(dtype: str, source: Source) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def stem_config(dense, family: Family, layers: list[int], init: str, dtype: torch.dtype, has_bias: bool) -> StemConfig:
+def stem_config(dense, family: Family, layers: list[int], init: str, dtype: torch.dtype, has_bias: bool,
+                dense_first_token: bool = True) -> StemConfig:
     """The STEM model's config: the dense config, flat, plus the STEM fields and auto_map."""
     fields = dense.to_dict()
     for key in ("model_type", "architectures", "auto_map", "quantization_config", "_name_or_path",
@@ -284,6 +297,7 @@ def stem_config(dense, family: Family, layers: list[int], init: str, dtype: torc
         stem_init=init,
         stem_activation=getattr(dense, family.activation_attr),
         stem_mlp_bias=has_bias,
+        stem_dense_first_token=dense_first_token,
         **fields,
     )
     config.dtype = _dtype_name(dtype)
@@ -352,7 +366,7 @@ def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> Non
             else:
                 data = tensors.get(producer.source_name)
                 if producer.rows is not None:
-                    data = data[: producer.rows]
+                    data = data[producer.rows[0] : producer.rows[1]]
                 writer.submit(spec.name, data.to(spec.dtype))
         writer.close()
     except BaseException:

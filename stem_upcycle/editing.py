@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,6 +302,10 @@ def runtime_edit(model, tokenizer, prompt: str | list[str], plan: EditPlan, occu
                         "(e.g. to its EOS token) and pad the batch with it")
     batch = tokenizer(prompts, padding=len(prompts) > 1, return_attention_mask=True, return_tensors="pt")
     prompt_ids = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)  # [b, L], -1 at the padding
+    if getattr(model.config, "stem_dense_first_token", False) and any(o.positions[0] == 0 for f in found for o in f):
+        warnings.warn("an entity is the prompt's first token, which reads no row in this model (its STEM layers keep "
+                      "the dense up-projection for a sequence's first token): the edit does not reach it there; put "
+                      "a word before it to edit it", stacklevel=3)
     previous = model.stem_row_edit  # a nested block replaces it, and gives it back
     model.set_stem_row_edit(row_edit(found, plan.layers, prompt_ids))
     try:

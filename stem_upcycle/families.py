@@ -40,6 +40,7 @@ EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 STEM_TABLE = "mlp.up_table.weight"
 STEM_GATE = "mlp.gate_proj"
+STEM_UP = "mlp.up_proj"  # kept in a STEM layer for the sequences' first tokens (`--first-token dense`)
 
 FAMILIES = (
     Family(("llama", "mistral", "qwen2", "qwen3")),

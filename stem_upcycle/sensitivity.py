@@ -83,7 +83,7 @@ def perplexity_with(model, calibrated, family: Family, config, layers: list[int]
                       _linear(tensors.get(layer_name(layer, family.down + ".weight")),
                               tensors.get(down_bias) if down_bias in tensors else None),
                       ACT2FN[config.stem_activation], CalibratedRows(ids, calibrated.rows_for(layer, ids.cpu()).to(device)),
-                      token_ids).to(device)
+                      token_ids, layer, _linear(w["up"], w["up_bias"]) if config.stem_dense_first_token else None).to(device)
         return lambda module, args, output: mlp(args[0].float()).to(output.dtype)
 
     for layer in layers:
@@ -91,7 +91,7 @@ def perplexity_with(model, calibrated, family: Family, config, layers: list[int]
     try:
         total = 0.0
         for window in windows.to(device):
-            token_ids.start(window[None])
+            token_ids.start(window[None], first=(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)))
             logits = model(window[None], use_cache=False).logits[0, :-1].float()
             total += F.cross_entropy(logits, window[1:], reduction="sum").item()
     finally:

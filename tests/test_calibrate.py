@@ -70,22 +70,25 @@ def test_where_closed_form_is_exact_calibration_reproduces_it(dense_with_tokeniz
     assert calib.config.stem_init == "calib"
 
 
-@pytest.mark.parametrize("init", ["calib", "calib-mean"])
-def test_rows_are_the_gate_weighted_or_plain_mean_of_the_dense_up_projection(dense_with_tokenizer, tmp_path, init):
+@pytest.mark.parametrize("init, first_token", [("calib", "dense"), ("calib-mean", "dense"), ("calib", "table")])
+def test_rows_are_the_gate_weighted_or_plain_mean_of_the_dense_up_projection(dense_with_tokenizer, tmp_path, init,
+                                                                             first_token):
     dense, src = dense_with_tokenizer()
     text = calib_text(tmp_path, n=256)
-    stem = convert(src, tmp_path / init, "--layers", "1", "--init", init, "--calib-data", text, "--calib-seq-len", "64")
+    stem = convert(src, tmp_path / init, "--layers", "1", "--init", init, "--calib-data", text, "--calib-seq-len", "64",
+                   "--first-token", first_token)
     ids = torch.tensor([int(w[1:]) for w in text.read_text().split()]).view(-1, 64)
     mlp = dense.model.layers[1].mlp
     num, den = torch.zeros(96, 48), torch.zeros(96, 48)
+    skip = 1 if first_token == "dense" else 0  # a window's first token keeps W_up: its occurrence is no row's
     with torch.no_grad():
         for window in ids:
-            x = mlp_inputs_at(dense, 1, window[None])
+            x = mlp_inputs_at(dense, 1, window[None])[skip:]
             u, s = mlp.up_proj(x), mlp.act_fn(mlp.gate_proj(x))
             w = s.square() if init == "calib" else torch.ones_like(u)
-            num.index_add_(0, window, w * u)
-            den.index_add_(0, window, w)
-    seen = ids.unique()
+            num.index_add_(0, window[skip:], w * u)
+            den.index_add_(0, window[skip:], w)
+    seen = ids[:, skip:].unique()
     torch.testing.assert_close(stem.model.layers[1].mlp.up_table.weight[seen], (num / den)[seen], rtol=1e-4, atol=1e-5)
 
 

@@ -42,7 +42,7 @@ def assert_same_weights(a, b):
 def test_output_layout_shards_and_index(dense_dir, tmp_path):
     _, src = dense_dir("llama")
     out = tmp_path / "out"
-    convert(src, out, "--layers", "0,2", "--max-shard-size", "30KB")
+    convert(src, out, "--layers", "0,2", "--max-shard-size", "30KB", "--first-token", "table")
     index = json.loads((out / INDEX_NAME).read_text())
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 1 and {p.name for p in shards} == set(index["weight_map"].values())
@@ -63,6 +63,7 @@ def test_output_layout_shards_and_index(dense_dir, tmp_path):
         assert (out / name).exists(), name
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "stem" and config["stem_layers"] == [0, 2] and config["stem_init"] == "closed-form"
+    assert config["stem_dense_first_token"] is False
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_stem.StemForCausalLM"
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -246,15 +247,17 @@ def test_source_as_output_is_refused(dense_dir):
     assert (src / "model.safetensors").exists()
 
 
-def test_inspect_reports_parameters_and_ffn_flops(dense_dir, tmp_path):
+@pytest.mark.parametrize("first_token", ["table", "dense"])
+def test_inspect_reports_parameters_and_ffn_flops(dense_dir, tmp_path, first_token):
     _, src = dense_dir("llama")
-    convert(src, tmp_path / "stem", "--layers", "0,2")
+    convert(src, tmp_path / "stem", "--layers", "0,2", "--first-token", first_token)
     dense = json.loads(run_cli("inspect", src, "--json").output)
     stem = json.loads(run_cli("inspect", tmp_path / "stem", "--json").output)
     V, d, f, L = VOCAB, 32, 48, 3
+    kept = 2 * d * f if first_token == "dense" else 0  # W_up of the STEM layers, read for a first token only
     assert dense["is_stem"] is False and stem["is_stem"] is True and stem["stem_layers"] == [0, 2]
-    assert stem["params_total"] == dense["params_total"] - 2 * d * f + 2 * V * f
-    assert stem["params_active_per_token"] == stem["params_total"] - 2 * (V - 1) * f - (V - 1) * d + V * d
+    assert stem["params_total"] == dense["params_total"] - 2 * d * f + kept + 2 * V * f
+    assert stem["params_active_per_token"] == stem["params_total"] - 2 * (V - 1) * f - (V - 1) * d + V * d - kept
     assert dense["ffn_flops_per_token"] == 6 * d * f * L
     assert stem["ffn_flops_per_token"] == 6 * d * f * L - 2 * 2 * d * f
     assert stem["bytes_on_disk"] == sum(p.stat().st_size for p in (tmp_path / "stem").glob("*.safetensors"))

@@ -23,8 +23,9 @@ PROMPT = "w1 w5 w2 w3 w5 w4"  # "w5" (id 5) at positions 1 and 4
 
 @pytest.fixture
 def stem_dir(tmp_path):
-    """A tiny STEM model (layers 0 and 2) in several shards, with the word-level tokenizer (wN is id N)."""
-    model = tiny_stem("llama", layers=(0, 2))
+    """A tiny STEM model (layers 0 and 2) in several shards, with the word-level tokenizer (wN is id N); its
+    first tokens read their rows (`first_token="table"`), so that an edit reaches every position."""
+    model = tiny_stem("llama", layers=(0, 2), dense_first_token=False)
     path = tmp_path / "model"
     model.save_pretrained(path, max_shard_size="40KB")
     save_tiny_tokenizer(path)
@@ -115,6 +116,27 @@ def test_run_time_edit_equals_the_persistent_edit_and_leaves_other_positions_bit
     assert torch.equal(up_rows(model, ids)[1], runtime)  # identical logits
     editing.revert_edit(model, changes)
     assert torch.equal(up_rows(model, ids)[1], plain)  # and no stale row (the host cache forgot them)
+
+
+def test_a_first_token_keeps_its_dense_up_projection_under_run_time_and_persistent_edits(tmp_path):
+    """In a model whose first tokens keep the dense up-projection, an entity that is the prompt's first token
+    reads no row: run-time and persistent edits leave it alike (with a warning), and edit its other occurrences."""
+    path = tmp_path / "dense-first"
+    tiny_stem("llama", layers=(0, 2)).save_pretrained(path)
+    save_tiny_tokenizer(path)
+    model, tokenizer = load(path), AutoTokenizer.from_pretrained(path)
+    prompt = "w5 w1 w5 w2"
+    ids = ids_of(prompt)
+    plain_rows, plain = up_rows(model, ids)
+    plan = plan_edit(tokenizer, model.config, ["w5=w9"])
+    with pytest.warns(UserWarning, match="first token"), editing.runtime_edit(model, tokenizer, prompt, plan):
+        rows, runtime = up_rows(model, ids)
+    for layer in model.config.stem_layers:
+        assert torch.equal(rows[layer][0], plain_rows[layer][0])  # W_up x of the first token, not a row
+        assert torch.equal(rows[layer][2], model.stem_table_rows(layer, torch.tensor([9]))[0])
+    assert torch.equal(runtime[0, :2], plain[0, :2]) and not torch.allclose(runtime[0, 2:], plain[0, 2:])
+    editing.apply_edit(model, plan)
+    assert torch.equal(up_rows(model, ids)[1], runtime)
 
 
 def test_run_time_edit_follows_the_prompt_through_the_kv_cache_and_last_occurrence_only(stem_dir):

@@ -16,9 +16,10 @@ from stem_upcycle.families import family_for
 from .conftest import VOCAB, tiny_dense
 
 
-def tiny_stem(model_type="llama", layers=(0, 2), seed=0):
+def tiny_stem(model_type="llama", layers=(0, 2), seed=0, dense_first_token=True):
     dense = tiny_dense(model_type, seed=seed)
-    config = stem_config(dense.config, family_for(model_type), list(layers), "random", torch.float32, False)
+    config = stem_config(dense.config, family_for(model_type), list(layers), "random", torch.float32, False,
+                         dense_first_token)
     torch.manual_seed(seed)
     return StemForCausalLM(config).eval()
 
@@ -50,6 +51,23 @@ def test_left_padded_batch_matches_unpadded_sequences(ids):
     assert torch.equal(generated[0, 9:], alone[0, 6:])
 
 
+def test_a_first_token_in_a_later_forward_of_a_chunked_prefill_keeps_its_dense_up_projection(ids):
+    """A row padded past the first chunk of a prefill has its first token in a later forward (past > 0): it is
+    found there (on the CPU, where the mask is), so the chunked prefill equals one forward."""
+    from transformers import DynamicCache
+
+    model = tiny_stem()
+    batch = ids[:, :9].clone()
+    mask = torch.ones_like(batch)
+    mask[0, :5] = 0  # row 0's first token is at position 5, in the second chunk
+    with torch.no_grad():
+        whole = model(batch, attention_mask=mask).logits
+        cache = DynamicCache()
+        first = model(batch[:, :4], attention_mask=mask[:, :4], past_key_values=cache, use_cache=True).logits
+        second = model(batch[:, 4:], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(torch.cat([first, second], 1)[mask.bool()], whole[mask.bool()], rtol=1e-4, atol=1e-5)
+
+
 def test_inputs_embeds_without_ids_is_a_clear_error(ids):
     model = tiny_stem()
     with pytest.raises(ValueError, match="pass input_ids"):
@@ -70,10 +88,12 @@ def test_backward_reaches_only_the_table_rows_of_seen_tokens(ids):
     model(ids, labels=ids).loss.backward()
     grad = model.model.layers[0].mlp.up_table.weight.grad
     seen = torch.zeros(VOCAB, dtype=torch.bool)
-    seen[ids[:, :-1].unique()] = True  # the last position predicts nothing that has a label
+    # The last position predicts nothing that has a label; the first reads the dense up-projection, no row.
+    seen[ids[:, 1:-1].unique()] = True
     assert grad[seen].abs().sum(-1).gt(0).all()
     assert grad[~seen].eq(0).all()
     assert model.model.layers[0].mlp.gate_proj.weight.grad.abs().sum() > 0
+    assert model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
 
 
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(ids):

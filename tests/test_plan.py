@@ -23,8 +23,9 @@ def llama_1b_source():
     return Source(spec="meta-llama/Llama-3.2-1B", config=config, tensors=StateDictStore(tensors), tokenizer_args=("", {}))
 
 
-def test_llama_32_1b_plan_has_the_expected_tables_sizes_and_index(llama_1b_source):
-    plan = plan_conversion(llama_1b_source, layers="1::2")
+@pytest.mark.parametrize("first_token", ["table", "dense"])
+def test_llama_32_1b_plan_has_the_expected_tables_sizes_and_index(llama_1b_source, first_token):
+    plan = plan_conversion(llama_1b_source, layers="1::2", first_token=first_token)
     assert plan.layers == [1, 3, 5, 7, 9, 11, 13, 15]
     assert plan.dtype == torch.bfloat16
     tables = plan.table_specs
@@ -32,12 +33,13 @@ def test_llama_32_1b_plan_has_the_expected_tables_sizes_and_index(llama_1b_sourc
     assert all(t.shape == (128256, 8192) and t.dtype == torch.bfloat16 for t in tables)
     assert tables[0].nbytes == 128256 * 8192 * 2 == 2_101_346_304  # 1.05B parameters, 2.1 GB
     dense_params = 1_235_814_400  # Llama-3.2-1B with the tied head counted once
-    up_params = 8 * 8192 * 2048
+    up_params = 8 * 8192 * 2048 if first_token == "table" else 0  # kept for the first token: 1.6% of a table
     assert plan.total_bytes == 2 * (dense_params - up_params + 8 * 128256 * 8192)
     index = index_json(plan.shards)
     assert index["metadata"]["total_size"] == plan.total_bytes
     assert len(index["weight_map"]) == len(plan.specs) and "lm_head.weight" not in index["weight_map"]
-    assert all("up_proj" not in n for n in index["weight_map"] if any(f"layers.{i}." in n for i in plan.layers))
+    kept = [n for n in index["weight_map"] if "up_proj" in n and any(f"layers.{i}." in n for i in plan.layers)]
+    assert len(kept) == (8 if first_token == "dense" else 0)
     for shard in plan.shards:  # 5 GB shards: two tables fit, a third does not
         assert sum(s.nbytes for s in shard) <= 5_000_000_000
     assert plan.ram_estimate() < 6e9

@@ -72,13 +72,13 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     log = _log(out)
     assert log[-1]["eval"]["heldout"]["ppl"] < 0.7 * log[0]["eval"]["heldout"]["ppl"]
     assert log[-1]["loss"] < log[1]["loss"]
-    # Same tensors, shapes, dtypes and order as the converted checkpoint; no W_up in STEM layers.
+    # Same tensors, shapes, dtypes and order as the converted checkpoint; W_up in STEM layers for the first token.
     def layout(path):
         index = json.loads((path / "model.safetensors.index.json").read_text())
         with safe_open(str(path / next(iter(set(index["weight_map"].values())))), "pt") as f:
             return [(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]
     assert layout(out) == layout(workspace / "stem")
-    assert not any("layers.0.mlp.up_proj" in name for name, _, _ in layout(out))
+    assert any("layers.0.mlp.up_proj" in name for name, _, _ in layout(out))
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     ids = trainer.heldout["heldout"][:2, :-1]
     for table in trainer.tables.values():

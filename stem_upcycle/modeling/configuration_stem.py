@@ -18,6 +18,9 @@ class StemConfig(PretrainedConfig):
         stem_init: how the tables were initialised ("closed-form", ...); informational.
         stem_activation: name in `transformers.activations.ACT2FN` of the gate activation.
         stem_mlp_bias: whether gate_proj and down_proj of a STEM layer carry a bias.
+        stem_dense_first_token: whether each sequence's first token keeps the dense up-projection
+            (`up_proj`, kept in every STEM layer for that token alone) instead of its table row; see
+            `StemMLP`.
         stem_tables: where `from_pretrained` puts the tables: "memory" (parameters), "mmap" (read-only
             maps of the checkpoint files), "host" (host memory with a row cache on the accelerator);
             None: "mmap" when the checkpoint is in safetensors files, else "memory". A keyword of
@@ -34,6 +37,7 @@ class StemConfig(PretrainedConfig):
         stem_init: str | None = None,
         stem_activation: str = "silu",
         stem_mlp_bias: bool = False,
+        stem_dense_first_token: bool = False,
         stem_tables: str | None = None,
         stem_cache_rows: int = 2048,
         **kwargs,
@@ -43,6 +47,7 @@ class StemConfig(PretrainedConfig):
         self.stem_init = stem_init
         self.stem_activation = stem_activation
         self.stem_mlp_bias = bool(stem_mlp_bias)
+        self.stem_dense_first_token = bool(stem_dense_first_token)
         self.stem_tables = stem_tables
         self.stem_cache_rows = int(stem_cache_rows)
         super().__init__(**kwargs)

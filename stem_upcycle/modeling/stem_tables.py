@@ -50,9 +50,11 @@ class ForwardIds:
     ids flattened [batch * seq] followed by the edit's target ids [m]: the placements read those rows
     like any other, and `edited` puts them in place."""
 
-    def __init__(self, ids: torch.Tensor, edit: "ForwardEdit | None" = None):
+    def __init__(self, ids: torch.Tensor, edit: "ForwardEdit | None" = None,
+                 first: "tuple[torch.Tensor, torch.Tensor] | None" = None):
         self.ids = ids
         self.edit = edit
+        self.first = first  # (batch rows, positions) of the sequences' first tokens in this forward (`first_tokens`)
         self.lookup = ids if edit is None else torch.cat([ids.flatten(), edit.target_ids.flatten().to(ids.device)])
         self._on = {self.lookup.device: self.lookup}
         self._unique = None
@@ -151,6 +153,31 @@ class RowEdit:
                            self.weights[inside].repeat_interleave(copies, 0), self.layers)
 
 
+def first_tokens(ids: torch.Tensor, kwargs: dict, past: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(batch rows, positions) in a forward of `ids` [batch, seq] of each sequence's first token: the
+    first position its 2-D attention mask admits (left padding skipped), position 0 without a mask.
+
+    That token attends to itself alone, so its hidden states are a function of its id alone, unlike
+    any other position's; the dense model makes it its attention sink. A forward after `past` cached
+    tokens holds first tokens only where the padding reaches past the cache, which is checked where
+    the mask is on the CPU; on an accelerator that check would stall every decode step on a copy to
+    the host, so there first tokens are taken to be in the forward that starts the sequence (as in
+    `generate()`, unless it prefills in chunks shorter than a left padding)."""
+    mask = kwargs.get("attention_mask")
+    batch, seq = ids.shape
+    usable = mask is not None and mask.dim() == 2 and mask.shape == (batch, past + seq)
+    if past and not (usable and mask.device.type == "cpu"):
+        return None
+    start = mask.int().argmax(1) if usable else torch.zeros(batch, dtype=torch.long, device=ids.device)  # [batch]
+    rows = torch.arange(batch, device=start.device)
+    if past:  # on the CPU: only the sequences whose first token falls in this forward
+        inside = (start >= past) & (start < past + seq)
+        if not bool(inside.any()):
+            return None
+        rows, start = rows[inside], start[inside]
+    return rows, start - past
+
+
 def cached_length(kwargs: dict) -> int:
     """Tokens already in the KV cache a decoder forward was given (`cache` in Transformers 5,
     `past_key_values` before)."""
@@ -183,8 +210,9 @@ class IdHandoff:
     def edit(self, edit: "RowEdit | None") -> None:
         self._local.edit = edit
 
-    def start(self, ids: torch.Tensor, edit: ForwardEdit | None = None) -> ForwardIds:
-        forward = ForwardIds(ids, edit)
+    def start(self, ids: torch.Tensor, edit: ForwardEdit | None = None,
+              first: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardIds:
+        forward = ForwardIds(ids, edit, first)
         self._local.current = self._latest = forward
         return forward
 

@@ -1,7 +1,7 @@
 """Write the trained model exactly as `convert` writes a STEM model.
 
-The tensor names, shapes, order and shard layout are those of the converted starting point (no
-`W_up` in the STEM layers, LoRA merged), the dtype that of the source unless the recipe says; the
+The tensor names, shapes, order and shard layout are those of the converted starting point (`W_up`
+in the STEM layers only for the first token, if kept; LoRA merged), the dtype that of the source unless the recipe says; the
 side files (config, modeling code, tokenizer, generation config) are copied from it, and the model
 card gains a training section. Files are
 staged in a hidden directory and moved into OUTPUT only when all are written, config.json last.

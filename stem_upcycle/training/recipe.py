@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from ..convert import DTYPES
+from ..convert import DTYPES, FIRST_TOKEN
 from ..errors import UserError
 from ..generate import Sampling
 
@@ -25,6 +25,7 @@ class ModelSection:
     init_from: str = ""  # an existing STEM checkpoint to start from; empty: convert `source` first
     layers: str = "1/3"  # STEM layers when converting (as `convert --layers`)
     init: str = "calib"  # table init when converting (as `convert --init`)
+    first_token: str = "dense"  # what a sequence's first token reads in a STEM layer (as `convert --first-token`)
     calib_data: list = field(default_factory=list)  # calibration text files (globs); default: the training files
     calib_tokens: int = 65536
     calib_seq_len: int = 512
@@ -246,5 +247,7 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError(f"data.eval set {bad[0]!r} names no file")
     if recipe.model.export_dtype not in ("auto", *DTYPES):
         raise RecipeError(f"model.export_dtype {recipe.model.export_dtype!r} is unknown; choose auto, {', '.join(DTYPES)}")
+    if recipe.model.first_token not in FIRST_TOKEN:
+        raise RecipeError(f"model.first_token {recipe.model.first_token!r} is unknown; choose {' or '.join(FIRST_TOKEN)}")
     if not recipe.model.source:
         raise RecipeError("model.source is empty; name the dense checkpoint (the teacher), e.g. smollm2-135m")

@@ -72,7 +72,7 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
         if split or acc.is_main_process:
             with acc.autocast():
                 plan = plan_conversion(source, layers=m.layers, init=m.init, dtype="float32",
-                                       init_options=options)
+                                       init_options=options, first_token=m.first_token)
                 if split:  # reused by the conversion below instead of calibrating again
                     plan.init_options["calibration"] = INITIALISERS[m.init](
                         plan, progress=progress and acc.is_main_process)

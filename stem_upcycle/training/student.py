@@ -37,7 +37,7 @@ class TrainingStemMLP(StemMLP):
     def __init__(self, mlp: StemMLP, table: OffloadedTable):
         # The converted MLP's own gate and down projections; the table is not a module: kept out of
         # parameters, state dicts, DDP and FSDP.
-        super().__init__(mlp.gate_proj, mlp.down_proj, mlp.act_fn, table, mlp.token_ids, mlp.layer)
+        super().__init__(mlp.gate_proj, mlp.down_proj, mlp.act_fn, table, mlp.token_ids, mlp.layer, mlp.up_proj)
         # The frozen dense up-projection (weight [d_ff, d], bias), only during a hand-off: the
         # teacher's own tensors, borrowed uncopied and, like the table, no parameter of this model.
         self.dense_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
