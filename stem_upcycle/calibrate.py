@@ -54,6 +54,18 @@ def calibration_windows(source, options: dict) -> torch.Tensor:
     return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
 
 
+def skipped_positions(config) -> int:
+    """Positions at the start of each window whose up-projections calibrate no row: the first token's, where it
+    keeps the dense up-projection (StemMLP): its rows never serve it, and its hidden states (its id's alone, the
+    attention sink) are no context of the token's other uses."""
+    return 1 if config.stem_dense_first_token else 0
+
+
+def calibrated_ids(windows: torch.Tensor, config) -> torch.Tensor:
+    """The sorted distinct ids whose rows `windows` [n, seq_len] calibrate."""
+    return windows[:, skipped_positions(config):].unique()
+
+
 def fit_ridge(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Ridge regression [x, 1] -> y; returns [d + 1, d_out] (the last row is the intercept)."""
     x = torch.cat([x, torch.ones(x.shape[0], 1)], 1)  # [n, d + 1]
@@ -77,7 +89,16 @@ class CalibratedInit(ClosedFormInit):
             self.seen, self.means, self.projections = reused.seen, reused.means, reused.projections
             return
         self.windows = calibration_windows(self.source, plan.init_options)
-        self.seen = self.windows.unique()  # sorted ids present in the corpus
+        if scoring := plan.init_options.get("scoring_windows", 0):  # kept out of the calibration (--layers auto)
+            if len(self.windows) <= 2 * scoring:
+                raise CalibrationError(f"--layers auto scores each layer on {scoring} windows kept out of the "
+                                       f"calibration; give more than {2 * scoring * self.windows.shape[1]} "
+                                       f"calibration tokens")
+            picked = torch.linspace(0, len(self.windows) - 1, scoring).round().long()  # spread over every text
+            kept = torch.ones(len(self.windows), dtype=torch.bool)
+            kept[picked] = False
+            self.scoring_windows, self.windows = self.windows[picked], self.windows[kept]
+        self.seen = calibrated_ids(self.windows, plan.config)  # sorted ids the corpus calibrates
         model = model or plan.init_options.get("dense_model") or model_from_source(self.source)
         self.means = self._calibrate(plan, self.windows, model)  # layer -> [n_seen, d_ff]
         self.projections = {layer: self._fit_projection(layer) for layer in plan.layers}
@@ -92,9 +113,12 @@ class CalibratedInit(ClosedFormInit):
             file=sys.stderr,
         )
         if heldout := plan.init_options.get("heldout_data"):  # how much of the text to be scored has calibrated rows
-            ids = read_token_ids(heldout, load_tokenizer(self.source), None)
-            covered = torch.isin(ids, self.seen).float().mean().item()
-            print(f"calibration covers {covered:.1%} of the {ids.numel()} held-out tokens", file=sys.stderr)
+            sets = heldout if isinstance(heldout, dict) else {"held-out": heldout}  # {set: files}, or files
+            tokenizer = load_tokenizer(self.source)
+            shares = {name: torch.isin(read_token_ids(files, tokenizer, None), self.seen).float().mean().item()
+                      for name, files in sets.items()}
+            print("calibrated rows cover " + ", ".join(f"{share:.1%} of {name}" for name, share in shares.items())
+                  + " (held-out tokens)", file=sys.stderr)
 
     def _calibrate(self, plan, windows: torch.Tensor, model) -> dict[int, torch.Tensor]:
         compact = torch.full((plan.config.vocab_size,), -1, dtype=torch.long)
@@ -103,9 +127,7 @@ class CalibratedInit(ClosedFormInit):
         per_layer = self.seen.numel() * d_ff * 4 * 2
         group = max(1, CALIB_MEMORY_BYTES // per_layer)
         activation = ACT2FN[plan.config.stem_activation]
-        # A window's first token keeps the dense up-projection (StemMLP): its rows never serve it, and its
-        # hidden states (its id's alone, the attention sink) are no context of the token's other uses.
-        skip = 1 if plan.config.stem_dense_first_token else 0
+        skip = skipped_positions(plan.config)
         device = model.device  # accumulate where the model runs (the teacher may already sit on a GPU)
         compact = compact.to(device)
         rank, world, reduce = plan.init_options.get("shard", (0, 1, None))

@@ -2,7 +2,9 @@
 
 Every layer is calibrated (the chosen calibrated init), then each is converted alone in the dense
 model, by a forward hook that swaps its MLP output for down(act(gate(x)) * U[ids]), and the
-perplexity on calibration windows is compared with the dense model's. The layers with the
+perplexity on windows of the calibration text that the calibration left out (spread over it, so
+that a mix of the user's and generated text is scored on both) is compared with the dense model's:
+scored on the windows its rows were fitted to, a layer would look better than it is on new text. The layers with the
 smallest ratio are converted. Single layers differ widely (SmolLM2-135M: layer 15 alone costs
 ~1.1x, layer 29 ~2.8x), and where they sit in the stack is not what decides it.
 """
@@ -26,7 +28,7 @@ from .modeling.modeling_stem import StemMLP
 from .modeling.stem_tables import IdHandoff
 
 AUTO = re.compile(r"auto\s*:\s*(\d+\s*/\s*\d+)")
-MEASURE_WINDOWS = 8  # calibration windows scored per layer
+MEASURE_WINDOWS = 8  # windows of the calibration text, left out of it, each layer is scored on
 
 
 def is_auto(spec: str) -> bool:
@@ -50,9 +52,10 @@ def select_layers(spec: str, source, family: Family, config, init: str, options:
     check_auto(spec, init)
     model = options.get("dense_model") or model_from_source(source)
     every = list(range(config.num_hidden_layers))
-    plan = SimpleNamespace(source=source, family=family, layers=every, config=config, init_options=options)
+    plan = SimpleNamespace(source=source, family=family, layers=every, config=config,
+                           init_options={**options, "scoring_windows": MEASURE_WINDOWS})
     calibrated = INITIALISERS[init](plan, progress=progress, model=model)
-    costs = measure_costs(model, calibrated, family, config, calibrated.windows[:MEASURE_WINDOWS])
+    costs = measure_costs(model, calibrated, family, config, calibrated.scoring_windows)
     chosen = sorted(sorted(every, key=costs.__getitem__)[:count])
     ranked = ", ".join(f"{i}: {costs[i]:.3f}x" for i in sorted(every, key=costs.__getitem__))
     print(f"layer sensitivity (perplexity ratio when converted alone): {ranked}\nchosen: {chosen}", file=sys.stderr)

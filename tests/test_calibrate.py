@@ -131,8 +131,10 @@ def test_calibration_text_shorter_than_a_window_is_an_error(dense_with_tokenizer
 
 
 def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_tokenizer, tmp_path, monkeypatch):
-    """`--layers auto:1/3` scores every layer alone with calibrated rows (a STEM MLP in a hook) and
-    converts the cheapest; the score of the chosen layer is the converted model's own perplexity."""
+    """`--layers auto:1/3` scores every layer alone with calibrated rows (a STEM MLP in a hook) on windows
+    that the calibration leaves out, and converts the cheapest: the score of the chosen layer is the
+    converted model's own perplexity ratio on those windows, and its rows are those of a calibration on
+    the other windows alone."""
     import math
 
     import torch.nn.functional as F
@@ -145,20 +147,26 @@ def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_t
     measure = sensitivity.measure_costs
     monkeypatch.setattr(sensitivity, "measure_costs", lambda *a: costs.update(measure(*a)) or dict(costs))
     monkeypatch.setattr(sensitivity, "MEASURE_WINDOWS", 2)
-    flags = ("--init", "calib", "--calib-data", text, "--calib-seq-len", "64")
-    auto = convert(src, tmp_path / "auto", "--layers", "auto:1/3", *flags)
+    flags = ("--init", "calib", "--calib-seq-len", "64")
+    auto = convert(src, tmp_path / "auto", "--layers", "auto:1/3", "--calib-data", text, *flags)
     chosen = auto.config.stem_layers
     assert len(chosen) == 1 and set(costs) == {0, 1, 2} and chosen[0] == min(costs, key=costs.get)
     windows = calibrate_module.calibration_windows(
         stem_upcycle.source.open_source(str(src)), {"calib_data": [str(text)], "calib_seq_len": 64,
-                                                    "calib_tokens": 131072})[:2]
+                                                    "calib_tokens": 131072})
+    scored = torch.tensor([0, len(windows) - 1])  # two windows spread over the text: its first and last
 
-    def ppl(model):
+    def ppl(model, ids):
         with torch.no_grad():
-            nll = sum(F.cross_entropy(model(w[None]).logits[0, :-1], w[1:], reduction="sum").item() for w in windows)
-        return math.exp(nll / windows[:, 1:].numel())
+            nll = sum(F.cross_entropy(model(w[None]).logits[0, :-1], w[1:], reduction="sum").item() for w in ids)
+        return math.exp(nll / ids[:, 1:].numel())
 
-    assert math.isclose(costs[chosen[0]], ppl(auto) / ppl(dense), rel_tol=1e-4)
+    assert math.isclose(costs[chosen[0]], ppl(auto, windows[scored]) / ppl(dense, windows[scored]), rel_tol=1e-6)
+    rest = tmp_path / "rest.txt"  # the other windows, as text (one word a token)
+    rest.write_text(" ".join(f"w{i}" for i in windows[1:-1].flatten().tolist()))
+    alone = convert(src, tmp_path / "alone", "--layers", str(chosen[0]), "--calib-data", rest, *flags)
+    layer = auto.model.layers[chosen[0]].mlp.up_table.weight
+    torch.testing.assert_close(layer, alone.model.layers[chosen[0]].mlp.up_table.weight, rtol=1e-6, atol=1e-6)
 
 
 def test_a_dry_run_with_auto_layers_computes_nothing(dense_with_tokenizer, tmp_path, monkeypatch):

@@ -72,6 +72,11 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     log = _log(out)
     assert log[-1]["eval"]["heldout"]["ppl"] < 0.7 * log[0]["eval"]["heldout"]["ppl"]
     assert log[-1]["loss"] < log[1]["loss"]
+    # rows covered: none before training (the init was given, not calibrated here), then those of the ids trained
+    trained = torch.cat([trainer.batches.step(s)[0][:, 1:-1].flatten() for s in range(30)]).unique()
+    read = trainer.heldout["heldout"][:, 1:-1]
+    assert log[0]["eval"]["heldout"]["rows_covered"] == 0
+    assert log[-1]["eval"]["heldout"]["rows_covered"] == pytest.approx(torch.isin(read, trained).float().mean().item())
     # Same tensors, shapes, dtypes and order as the converted checkpoint; W_up in STEM layers for the first token.
     def layout(path):
         index = json.loads((path / "model.safetensors.index.json").read_text())

@@ -11,7 +11,7 @@ import torch
 
 from ..generate import GeneratedText, Sampling, as_stream
 from ..source import open_source
-from .data import expand_files, heldout_paths
+from .data import eval_files, expand_files, heldout_paths
 
 
 def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> tuple[torch.Tensor | None, dict]:
@@ -41,30 +41,34 @@ def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> t
     return text.load(), stats
 
 
-def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Path, progress: bool) -> Path:
-    """The STEM checkpoint training starts from: model.init_from, or `source` converted into OUTPUT/init.
+def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Path, progress: bool
+                  ) -> tuple[Path, torch.Tensor | None]:
+    """(the STEM checkpoint training starts from: model.init_from, or `source` converted into OUTPUT/init;
+    the ids whose rows a calibrated conversion of this run set from text, None when it set none).
 
     A calibrated init reads its text in every process (each a share, on its device; the sums are
     reduced), then the main process writes the checkpoint."""
     m = recipe.model
     if m.init_from:
-        return Path(open_source(m.init_from).directory or m.init_from)
+        return Path(open_source(m.init_from).directory or m.init_from), None
     init_dir = output / "init"
-    if not (init_dir / "config.json").exists():
-        from ..convert import plan_conversion, run_conversion
-        from ..initialisers import INITIALISERS
-        from ..sensitivity import is_auto
+    from ..calibrate import calibrated_ids, calibration_windows
+    from ..convert import plan_conversion, run_conversion
+    from ..initialisers import INITIALISERS
+    from ..sensitivity import is_auto
 
-        heldout = heldout_paths(recipe)
-        files = m.calib_data or recipe.data.train
-        calib = [str(f) for f in expand_files(files, "model.calib_data") if f not in heldout] if files else []
-        options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len,
-                   "heldout_data": [str(f) for f in heldout],  # held-out text is never calibrated on either
-                   "dense_model": teacher}
-        if generated is not None and recipe.generated.calib_share:
-            share = recipe.generated.calib_share if calib else 1.0
-            stream = as_stream(generated, tokenizer.eos_token_id)  # as training packs it
-            options["calib_generated"] = stream[: round(m.calib_tokens * share)]
+    heldout = heldout_paths(recipe)
+    files = m.calib_data or recipe.data.train
+    calib = [str(f) for f in expand_files(files, "model.calib_data") if f not in heldout] if files else []
+    options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len,
+               "heldout_data": {name: [str(f) for f in fs] for name, fs in eval_files(recipe).items()},
+               "dense_model": teacher}  # held-out text is never calibrated on either
+    if generated is not None and recipe.generated.calib_share:
+        share = recipe.generated.calib_share if calib else 1.0
+        stream = as_stream(generated, tokenizer.eos_token_id)  # as training packs it
+        options["calib_generated"] = stream[: round(m.calib_tokens * share)]
+    plan = None
+    if not (init_dir / "config.json").exists():
         # --layers auto scores layers on the main process alone; an explicit layer set calibrates in every one
         split = acc.num_processes > 1 and getattr(INITIALISERS[m.init], "needs_data", False) and not is_auto(m.layers)
         if split:
@@ -81,4 +85,11 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
             run_conversion(plan, init_dir, overwrite=True, progress=progress,
                            command=f"stem-upcycle train (conversion of {m.source})")
     acc.wait_for_everyone()
-    return init_dir
+    calibrated = None
+    if getattr(INITIALISERS[m.init], "needs_data", False):
+        done = plan.init_options.get("calibration") if plan is not None else None  # kept by --layers auto, split runs
+        # Else (a plain conversion, a resumed run) from the text; a resumed --layers auto run then also counts the
+        # windows its layer scoring kept out of the calibration.
+        calibrated = done.seen if done is not None else calibrated_ids(calibration_windows(source, options),
+                                                                      open_source(str(init_dir)).config)
+    return init_dir, calibrated

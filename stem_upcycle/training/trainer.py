@@ -102,9 +102,15 @@ class Trainer:
         self.teacher_tokenizer = load_tokenizer(self.source)  # what generation samples with and calibration joins with
         self.generated, self.generation_stats = generated_text(recipe, self.source, self.teacher,
                                                                self.teacher_tokenizer, acc, progress)
-        self.init_dir = initial_model(recipe, self.source, self.teacher, self.teacher_tokenizer, self.generated, acc,
-                                      self.output, progress)
+        self.init_dir, calibrated = initial_model(recipe, self.source, self.teacher, self.teacher_tokenizer,
+                                                  self.generated, acc, self.output, progress)
         init = open_source(str(self.init_dir))
+        # Which ids' rows were set from text (calibrated here) or trained so far: the held-out tokens they
+        # cover are reported with every evaluation. A first token that keeps W_up reads no row.
+        self.first_skipped = int(getattr(init.config, "stem_dense_first_token", False))
+        self.covered = torch.zeros(init.config.vocab_size, dtype=torch.bool)
+        if calibrated is not None:
+            self.covered[calibrated] = True
         self.tokenizer = load_tokenizer(init)
         train_text, self.heldout = load_data(recipe, self.tokenizer, acc.process_index, acc.num_processes,
                                              acc.wait_for_everyone)
@@ -155,6 +161,8 @@ class Trainer:
         if resume:
             self.start_step, self.tokens_seen = checkpoint.load_latest(acc, self.output / "checkpoints", self.tables,
                                                                        self.table_optimizer)
+            for step in range(self.start_step):
+                self._cover(self.batches.step(step)[0])
             if recipe.handoff.steps and self.start_step >= recipe.handoff.steps:
                 set_handoff(student, None)  # the hand-off was over: W_up is dropped
 
@@ -179,6 +187,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         t, acc = self.recipe.train, self.accelerator
         batch, generated = self.batches.step(step)  # [batch_size, seq_len + 1], the global batch; [batch_size]
+        self._cover(batch)
         batch = batch.to(acc.device)
         ce_rows = (~generated | self.recipe.generated.ce).to(acc.device)  # sequences with a cross-entropy term
         every_row = getattr(self.table_optimizer, "all_rows", False)  # dense AdamW updates whole tables
@@ -231,6 +240,10 @@ class Trainer:
                       tokens=self.tokens_seen)
         return record
 
+    def _cover(self, batch: torch.Tensor) -> None:
+        """Mark the ids whose rows `batch` [n, seq_len + 1] trains."""
+        self.covered[batch[:, self.first_skipped : -1].flatten().cpu()] = True
+
     def _reduce_row_grads(self) -> None:
         for table in self.tables.values():
             if table.rows.grad is None:
@@ -242,7 +255,8 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """{"eval": {set: {ppl, ref_ppl, ppl_ratio, kl, top1_agreement, tokens}}} on every held-out set,
+        """{"eval": {set: {ppl, ref_ppl, ppl_ratio, kl, top1_agreement, tokens, rows_covered}}} on every held-out set
+        (rows_covered: the share of the set's tokens whose rows this run calibrated or has trained),
         in eval mode (no dropout), training mode restored after; and "host_memory_gb", summed over the
         processes: PSS, and the size, PSS and RSS of the shared tables' and optimizer states' files."""
         self.causal_lm.eval()
@@ -279,9 +293,11 @@ class Trainer:
             with acc.autocast():
                 sums += self.step_module(inputs, targets, teacher_hidden.to(acc.device), self.teacher_weight, 1.0)[1]
         n = sums[3].item()
+        read = sequences[:, self.first_skipped : -1].cpu()  # the ids whose rows the set's forwards read
         return {"ppl": math.exp(sums[0].item() / n), "ref_ppl": math.exp(ref_nll / n),
                 "ppl_ratio": math.exp((sums[0].item() - ref_nll) / n), "kl": sums[1].item() / n,
-                "top1_agreement": sums[2].item() / n, "tokens": int(n)}
+                "top1_agreement": sums[2].item() / n, "tokens": int(n),
+                "rows_covered": self.covered[read].float().mean().item()}
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> Path:
