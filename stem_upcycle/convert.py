@@ -175,14 +175,14 @@ def plan_conversion(
                                                                    or init_options.get("calib_generated") is not None):
         raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text) "
                               f"or --calib-generate TOKENS (text sampled from the model itself)")
-    auto_spec = None
+    auto_spec, layer_costs = None, None
     if is_auto(layers) and dry_run:  # sizes depend on the count alone: no calibration, no measurement
         check_auto(layers, init)
         auto_spec, stem_layers = layers, parse_layers(auto_fraction(layers), dense.num_hidden_layers)
     elif is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
         provisional = stem_config(dense, family, [0], init, torch.float32, False, dense_first)
-        stem_layers, init_options["calibration"] = select_layers(layers, source, family, provisional, init, init_options,
-                                                                 progress)
+        stem_layers, init_options["calibration"], layer_costs = select_layers(layers, source, family, provisional, init,
+                                                                              init_options, progress)
     else:
         stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = resolve_dtype(dtype, source)
@@ -216,6 +216,8 @@ def plan_conversion(
             producers[table] = Table(layer)
     has_bias = layer_name(stem_layers[0], STEM_GATE + ".bias") in producers
     config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias, dense_first)
+    if layer_costs is not None:  # what the choice rests on, kept for the user (and for choosing other counts)
+        config.stem_layer_costs = {str(layer): round(cost, 4) for layer, cost in layer_costs.items()}
     try:
         max_bytes = convert_file_size_to_int(max_shard_size)
     except ValueError:

@@ -47,7 +47,8 @@ def check_auto(spec: str, init: str) -> None:
 
 
 def select_layers(spec: str, source, family: Family, config, init: str, options: dict, progress: bool = True):
-    """(layers, calibrated init covering every layer) for `auto:FRACTION`."""
+    """(layers, calibrated init covering every layer, {layer: perplexity ratio converted alone}) for
+    `auto:FRACTION`."""
     count = len(parse_layers(auto_fraction(spec), config.num_hidden_layers))
     check_auto(spec, init)
     model = options.get("dense_model") or model_from_source(source)
@@ -59,7 +60,7 @@ def select_layers(spec: str, source, family: Family, config, init: str, options:
     chosen = sorted(sorted(every, key=costs.__getitem__)[:count])
     ranked = ", ".join(f"{i}: {costs[i]:.3f}x" for i in sorted(every, key=costs.__getitem__))
     print(f"layer sensitivity (perplexity ratio when converted alone): {ranked}\nchosen: {chosen}", file=sys.stderr)
-    return chosen, calibrated
+    return chosen, calibrated, costs
 
 
 def measure_costs(model, calibrated, family: Family, config, windows: torch.Tensor) -> dict[int, float]:

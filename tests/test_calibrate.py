@@ -151,6 +151,7 @@ def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_t
     auto = convert(src, tmp_path / "auto", "--layers", "auto:1/3", "--calib-data", text, *flags)
     chosen = auto.config.stem_layers
     assert len(chosen) == 1 and set(costs) == {0, 1, 2} and chosen[0] == min(costs, key=costs.get)
+    assert auto.config.stem_layer_costs == {str(k): round(v, 4) for k, v in costs.items()}  # kept for the user
     windows = calibrate_module.calibration_windows(
         stem_upcycle.source.open_source(str(src)), {"calib_data": [str(text)], "calib_seq_len": 64,
                                                     "calib_tokens": 131072})
