@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Put three held-out English evaluation texts, none of them Shakespeare, under data/ood/:
+# Put four held-out English evaluation texts, none of them Shakespeare, under data/ood/:
 #   botchan.txt  novel: Natsume, "Botchan" (1919 English translation), Project Gutenberg #8868,
 #                public domain; shipped as test/botchan.txt in the sentencepiece==0.2.0 sdist
 #   lcet10.txt   non-fiction: Library of Congress "Workshop on Electronic Texts: Proceedings"
@@ -7,6 +7,7 @@
 #                tests/testdata/lcet10.txt in the brotli==1.1.0 sdist
 #   flask_docs.txt  technical documentation: Flask's docs/*.rst (BSD-3-Clause, LICENSE.txt in
 #                the flask==3.1.3 sdist), reduced to prose by scripts/rst2prose.py
+#   news.txt     news: 300 articles of the Lee background corpus (see below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
@@ -27,4 +28,14 @@ tr -d '\r' < "$tmp"/Brotli-1.1.0/tests/testdata/lcet10.txt | grep -vi 'project g
 # Flask docs: every .rst but the changelog and the licence page, in byte order, as prose
 (cd "$tmp"/flask-3.1.3 && find docs -name '*.rst' ! -name changes.rst ! -name license.rst | LC_ALL=C sort) \
   | sed "s|^|$tmp/flask-3.1.3/|" | xargs python scripts/rst2prose.py > data/ood/flask_docs.txt
+# News: the Lee background corpus (300 news articles from the Australian Broadcasting Corporation, Lee,
+# Pincombe & Welsh 2005), shipped as gensim/test/test_data/lee_background.cor in the gensim==4.3.3 sdist
+# (LGPL-2.1). Added last, as a genre no experiment of the recipes' development had seen. pip cannot
+# download that sdist (it builds its metadata first, which fails here), so it is read from the same
+# registry by its address in the simple index and checked against the digest the index gives.
+url=$(curl -fsSL https://pypi.org/simple/gensim/ | grep -o 'https://[^"#]*/gensim-4\.3\.3\.tar\.gz#sha256=[0-9a-f]*' | head -1)
+curl -fsSL "${url%%#*}" -o "$tmp"/gensim-4.3.3.tar.gz
+echo "${url##*sha256=}  $tmp/gensim-4.3.3.tar.gz" | sha256sum --check --quiet
+tar -xzf "$tmp"/gensim-4.3.3.tar.gz -C "$tmp" gensim-4.3.3/gensim/test/test_data/lee_background.cor
+sed 's/[[:space:]]*$//; G' "$tmp"/gensim-4.3.3/gensim/test/test_data/lee_background.cor > data/ood/news.txt  # a blank line between articles
 echo "$(ls data/ood | wc -l) texts in data/ood/: $(cat data/ood/*.txt | wc -w) words"
