@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..calibrate import skipped_positions
 from ..errors import UserError
 from ..loading import load_tokenizer, model_from_source
 from ..source import open_source
@@ -107,7 +108,7 @@ class Trainer:
         init = open_source(str(self.init_dir))
         # Which ids' rows were set from text (calibrated here) or trained so far: the held-out tokens they
         # cover are reported with every evaluation. A first token that keeps W_up reads no row.
-        self.first_skipped = int(getattr(init.config, "stem_dense_first_token", False))
+        self.first_skipped = skipped_positions(init.config)
         self.covered = torch.zeros(init.config.vocab_size, dtype=torch.bool)
         if calibrated is not None:
             self.covered[calibrated] = True
