@@ -1,5 +1,10 @@
 """Tiny random dense models of every supported family, saved the way Hugging Face saves them."""
 
+import shutil
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -81,3 +86,34 @@ def host_on_cpu(monkeypatch):
 def ids():
     torch.manual_seed(1)
     return torch.randint(0, VOCAB, (2, 11))
+
+
+def export_stem(model, path):
+    """Save a STEM model as `convert` exports it: weights, a config with auto_map, the modeling files."""
+    from stem_upcycle.convert import AUTO_MAP, MODELING_DIR, MODELING_FILES
+
+    model.config.auto_map = dict(AUTO_MAP)
+    model.save_pretrained(path)
+    for name in MODELING_FILES:
+        shutil.copyfile(MODELING_DIR / name, path / name)
+    return path
+
+
+def run_without_stem_upcycle(script: str, *args, timeout: int = 600) -> str:
+    """Run `script` (with `args` as sys.argv[1:]) in a fresh Python in which `stem_upcycle` cannot be
+    imported, as for a user who loads an exported model with `trust_remote_code=True` alone; its stdout.
+    The test fails on a non-zero exit, with the end of the script's stderr."""
+    guard = textwrap.dedent("""
+        import sys
+        sys.modules["stem_upcycle"] = None  # as if stem-upcycle were not installed
+        try:
+            import stem_upcycle
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("stem_upcycle is importable")
+    """)
+    result = subprocess.run([sys.executable, "-c", guard + textwrap.dedent(script), *map(str, args)],
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

@@ -177,7 +177,12 @@ class _StemDispatch:
         # Difference from the dense family: `stem_tables` (and `stem_cache_rows`) choose where the
         # tables live; the placement opens (and checks) the table files before the dense weights load.
         hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-        config = copy.deepcopy(config) if isinstance(config, StemConfig) else StemConfig.from_pretrained(
+        # Recognised by its model_type, not its class: through remote code, Transformers imports the
+        # configuration and the modeling file as two dynamic modules (each under its own hash), so the
+        # config that AutoModel passes (holding the `stem_tables=` it took from the kwargs) is an
+        # instance of another StemConfig class than this module's.
+        given = config if getattr(config, "model_type", None) == StemConfig.model_type else None
+        config = copy.deepcopy(given) if given is not None else StemConfig.from_pretrained(
             pretrained_model_name_or_path, **hub_kwargs)
         for key in ("stem_tables", "stem_cache_rows"):
             if key in kwargs:
