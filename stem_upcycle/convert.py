@@ -163,7 +163,7 @@ def plan_conversion(
     (see `StemMLP`), "table" reads their rows like any other token's."""
     dense = source.config
     family = family_for(dense.model_type)
-    _refuse_quantized(source)
+    _refuse_quantized(source, family)
     _check_mlp_tensors(source, family)
     if first_token not in FIRST_TOKEN:
         raise ConversionError(f"--first-token {first_token!r} is unknown; choose {' or '.join(FIRST_TOKEN)}")
@@ -258,17 +258,28 @@ def _check_mlp_tensors(source: Source, family: Family) -> None:
                                   f"{list(shape)}; the weights and config.json do not belong together")
 
 
-def _refuse_quantized(source: Source) -> None:
+def _refuse_quantized(source: Source, family: Family) -> None:
     """A quantized checkpoint's weights are not the model's weights until their scales are applied; casting
-    them (and dropping the scales) would write a silently wrong model, so conversion refuses them."""
-    quantization = getattr(source.config, "quantization_config", None)
-    method = (quantization.get("quant_method") if isinstance(quantization, dict)
-              else getattr(quantization, "quant_method", None)) if quantization else None
+    them (and dropping the scales) would write a silently wrong model, so conversion refuses them.
+
+    Judged by the tensors, not by the label: a model loaded from GGUF (dequantised by Transformers) and
+    saved keeps `quantization_config: {quant_method: gguf}` over plain float weights, which convert as
+    they are. A label over tensors that are not the model's (missing or misshapen) is refused as quantized."""
     tensors = source.tensors
     scales = next((n for n in tensors.names() if n.endswith(QUANTIZATION_TENSORS)), None)
     packed = next((n for n in tensors.names() if n.endswith(".weight") and tensors.dtype(n) not in FLOAT_DTYPES), None)
-    found = (f"quantization_config {method or quantization}" if quantization else
-             f"tensor {scales}" if scales else f"{packed} in {tensors.dtype(packed)}" if packed else None)
+    found = f"tensor {scales}" if scales else f"{packed} in {tensors.dtype(packed)}" if packed else None
+    quantization = getattr(source.config, "quantization_config", None)
+    if quantization and not found:
+        method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                  else getattr(quantization, "quant_method", None))
+        try:
+            _check_mlp_tensors(source, family)
+        except ConversionError:
+            found = f"quantization_config {method or quantization}"
+        else:
+            print(f"note: {source.spec}'s config.json says quantization_config {method or quantization}, and its "
+                  f"weights are plain {tensors.dtype(EMBEDDING)}: converting them as they are", file=sys.stderr)
     if found:
         raise ConversionError(f"{source.spec} is a quantized checkpoint ({found}); stem-upcycle converts "
                               f"unquantized weights: give the bf16/fp16/fp32 original")

@@ -278,8 +278,9 @@ def test_quantized_checkpoints_are_refused_not_cast(dense_dir, tmp_path):
     weights = load_file(src / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
     cases = {
-        "config": ({**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-                   weights, "quantization_config fp8"),
+        "config": ({**config, "quantization_config": {"quant_method": "awq", "bits": 4}},  # packed: 8 per int32
+                   {**weights, "model.layers.0.mlp.up_proj.weight": torch.zeros(48, 4, dtype=torch.float32)},
+                   "quantization_config awq"),
         "scales": (config, {**weights, "model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1)},
                    "tensor model.layers.0.mlp.up_proj.weight_scale_inv"),
         "float8": (config, {**weights, "model.layers.0.mlp.up_proj.weight":
@@ -295,6 +296,21 @@ def test_quantized_checkpoints_are_refused_not_cast(dense_dir, tmp_path):
         assert result.exit_code == 1 and f"is a quantized checkpoint ({found}" in result.output, result.output
         assert "give the bf16/fp16/fp32 original" in result.output and "Traceback" not in result.output
         assert not (tmp_path / f"out-{name}").exists()
+
+
+def test_a_quantization_label_over_plain_float_weights_converts_them(dense_dir, tmp_path):
+    """Transformers dequantises a GGUF file on load; saved again, its folder keeps the gguf label."""
+    dense, src = dense_dir("llama")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"dequantize": False, "gguf_file": "model.Q4_1.gguf", "quant_method": "gguf"}
+    (src / "config.json").write_text(json.dumps(config))
+    result = run_cli("convert", src, tmp_path / "out", "--layers", "0")
+    assert result.exit_code == 0, result.output
+    assert "quantization_config gguf, and its weights are plain torch.float32" in result.output
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in out and out["stem_layers"] == [0]
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out", stem_tables="memory")
+    assert torch.equal(converted.model.layers[1].mlp.up_proj.weight, dense.model.layers[1].mlp.up_proj.weight)
 
 
 def test_model_card_names_a_hub_base_model_never_a_path(dense_dir, tmp_path):
