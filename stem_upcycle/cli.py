@@ -35,6 +35,11 @@ def _fail_cleanly(fn):
     return wrapper
 
 
+# Numeric options, declared with their ranges: a bad value is click's one-line usage error.
+COUNT = click.IntRange(min=1)
+WINDOW = click.IntRange(min=2)  # a window scores (or calibrates) its tokens after the first
+
+
 @click.group()
 @click.version_option(package_name="stem-upcycle")
 def main():
@@ -51,11 +56,11 @@ def main():
               help="How the tables are initialised.")
 @click.option("--calib-data", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Plain-text calibration file for --init calib / calib-mean; repeat for several.")
-@click.option("--calib-tokens", default=131072, show_default=True, help="Calibration tokens in all, at most.")
-@click.option("--calib-generate", default=0, show_default=True, metavar="TOKENS",
+@click.option("--calib-tokens", default=131072, show_default=True, type=COUNT, help="Calibration tokens in all, at most.")
+@click.option("--calib-generate", default=0, show_default=True, type=click.IntRange(min=0), metavar="TOKENS",
               help="Of the calibration tokens, this many are text sampled from SOURCE itself (generated once, cached), "
                    "so that tokens the calibration text never shows get calibrated rows; alone, a data-free init.")
-@click.option("--calib-seq-len", default=512, show_default=True, help="Tokens per calibration forward.")
+@click.option("--calib-seq-len", default=512, show_default=True, type=WINDOW, help="Tokens per calibration forward.")
 @click.option("--first-token", type=click.Choice(FIRST_TOKEN), default="dense", show_default=True,
               help="What a sequence's first token (the attention sink, whose hidden states are its id's alone) reads in "
                    "a STEM layer: dense keeps the layer's up-projection for that token, table its row.")
@@ -139,20 +144,20 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
                    "rows, over a seeded sample).")
 @click.option("--sample", default=2048, show_default=True, type=click.IntRange(2, 4096),
               help="With --tables: rows (and positions) sampled; every pair of them is compared.")
-@click.option("--seed", default=0, show_default=True, help="With --tables: seed of the sample.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), help="With --tables: seed of the sample.")
 @click.option("--reference", help="With --tables: the dense parent, whose up-projection outputs W_up x on --text get "
                                   "the same statistic.")
 @click.option("--text", "text_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="With --tables: text (.txt, .jsonl, .parquet) for the rows of its tokens and, with --reference, "
                    "for W_up x; repeat for several files.")
-@click.option("--text-tokens", default=8192, show_default=True, help="With --text: tokens read, at most.")
+@click.option("--text-tokens", default=8192, show_default=True, type=COUNT, help="With --text: tokens read, at most.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="With --tables: also write histograms of |cos| per layer to this PNG (needs matplotlib: "
                    "pip install 'stem-upcycle[plot]').")
 @click.option("--nearest", metavar="TOKEN", help="List the tokens whose rows in --layer lie closest (cosine) to "
                                                  "TOKEN's: one token as written (e.g. ' Spain') or id:N.")
 @click.option("--layer", type=int, help="With --nearest: the STEM layer; with --tables: that layer only.")
-@click.option("--top", default=10, show_default=True, help="With --nearest: how many tokens.")
+@click.option("--top", default=10, show_default=True, type=COUNT, help="With --nearest: how many tokens.")
 @_fail_cleanly
 def inspect(path, as_json, table_stats, sample, seed, reference, text_files, text_tokens, plot_path, nearest, layer,
             top):
@@ -236,7 +241,7 @@ def _table_statistics(source, layer, sample, seed, reference, text_files, text_t
                                "entity's positions only) and print both; writes nothing.")
 @click.option("--occurrences", type=click.Choice(["all", "last"]), default="all", show_default=True,
               help="With --prompt: edit every occurrence of SOURCE in the prompt, or the last one only.")
-@click.option("--max-new-tokens", default=20, show_default=True, help="With --prompt: greedy tokens generated.")
+@click.option("--max-new-tokens", default=20, show_default=True, type=COUNT, help="With --prompt: greedy tokens generated.")
 @click.option("--output", type=click.Path(file_okay=False),
               help="Write the persistently edited model here (MODEL is never modified); the rows replaced are "
                    "kept in it for --undo.")
@@ -271,6 +276,11 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
     plan = editing.plan_edit(tokenizer, config, swaps, mode, layers)
     if prompt:  # errors before any output
         editing.find_occurrences(tokenizer, prompt, plan, occurrences)
+        prompt_tokens, context = len(tokenizer(prompt)["input_ids"]), getattr(config, "max_position_embeddings", None)
+        if context and prompt_tokens + max_new_tokens > context:
+            raise click.BadParameter(f"{max_new_tokens} new tokens after the prompt's {prompt_tokens} pass the model's "
+                                     f"context of {context}; give at most {max(context - prompt_tokens, 0)}",
+                                     param_hint="'--max-new-tokens'")
     if output:
         editing.check_output(output, source.directory or model)
     click.echo(plan.describe(tokenizer))
@@ -305,8 +315,8 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
               help="Held-out text: NAME=FILE adds FILE to set NAME (repeat to join files), FILE alone is a set named "
                    "after the file; each set is scored and reported on its own.")
 @click.option("--reference", help="Dense model to compare with (any SOURCE form convert accepts).")
-@click.option("--window", default=512, show_default=True, help="Tokens per scored window.")
-@click.option("--max-tokens", type=int, help="Score only the first N tokens of each set.")
+@click.option("--window", default=512, show_default=True, type=WINDOW, help="Tokens per scored window.")
+@click.option("--max-tokens", type=COUNT, help="Score only the first N tokens of each set.")
 @click.option("--facts", "facts_file", is_flag=False, flag_value="packaged", default=None, metavar="[FILE]",
               help="Also score factual recall: greedy completions of short factual prompts (the packaged set, or a "
                    "JSON-lines FILE of {prompt, answers}).")

@@ -124,4 +124,5 @@ def read_documents(files: list[Path], text_field: str = "text", max_chars: int |
                 yield from documents_of(piece, text_field)
         else:
             with path.open(encoding="utf-8", errors="replace") as f:
-                yield f.read(max_chars) if max_chars else f.read()
+                # at most the file's size (characters <= bytes): read(n) reserves n characters up front
+                yield f.read(min(max_chars, path.stat().st_size)) if max_chars else f.read()

@@ -107,7 +107,7 @@ def nearest_rows(tables, layer: int, token: int, top: int = 10) -> list[tuple[in
     for start, rows in chunks(tables, layer):
         cos = torch.nn.functional.normalize(rows, dim=1) @ query
         ids = torch.arange(start, start + len(rows))
-        cos[ids == token] = -2.0
+        cos, ids = cos[ids != token], ids[ids != token]
         best_cos, order = torch.cat([best_cos, cos]).topk(min(top, len(best_cos) + len(cos)))
         best_ids = torch.cat([best_ids, ids])[order]
     return list(zip(best_ids.tolist(), best_cos.tolist()))

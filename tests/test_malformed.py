@@ -2,7 +2,9 @@
 
 import json
 import os
+import shutil
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -54,8 +56,9 @@ def good(tmp_path_factory):
 
 
 def one_line_error(args) -> str:
+    """The one error line of a command that fails cleanly: exit 1 (or click's 2, a usage error), no traceback."""
     result = CliRunner().invoke(main, [str(a) for a in args])
-    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, (args, result.exception)
+    assert isinstance(result.exception, SystemExit) and result.exit_code in (1, 2), (args, result.exception)
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     return errors[0]
@@ -63,8 +66,6 @@ def one_line_error(args) -> str:
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_corrupted_checkpoints_end_in_one_line_everywhere(good, tmp_path, corruption):
-    import shutil
-
     folder = tmp_path / "bad"
     shutil.copytree(good, folder)
     corrupt, says = CORRUPTIONS[corruption]
@@ -91,3 +92,80 @@ def test_bad_option_values_end_in_one_line(good, tmp_path):
     if not torch.cuda.is_available():
         assert "no CUDA GPU" in one_line_error(["convert", good, tmp_path / "out", "--device", "cuda"])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def stem(good):
+    folder = good.parent / "stem"
+    result = CliRunner().invoke(main, ["convert", str(good), str(folder), "--layers", "0,2", "--quiet"])
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+HUGE = 10**12
+# Every numeric option of every command: how it is given, and per value what the one-line error says (None: the
+# command runs, the value being as large as the input allows).
+NUMERIC_OPTIONS = {
+    ("convert", "--calib-tokens"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--init", "calib", "--layers",
+                                                        "0", "--calib-data", t, "--calib-seq-len", 16, "--calib-tokens", v],
+                                    {0: "x>=1", -1: "x>=1", HUGE: None}),
+    ("convert", "--calib-generate"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--init", "calib",
+                                                          "--calib-tokens", 64, "--calib-generate", v],
+                                      {-1: "x>=0", HUGE: "more than --calib-tokens 64"}),
+    ("convert", "--calib-seq-len"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--init", "calib",
+                                                         "--calib-data", t, "--calib-seq-len", v],
+                                     {0: "x>=2", 1: "x>=2", HUGE: "fewer than --calib-seq-len"}),
+    ("convert", "--layers"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", v],
+                              {"0/3": "a fraction must lie in (0, 1]", -1: "is not understood", HUGE: "does not exist"}),
+    ("convert", "--max-shard-size"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--max-shard-size", v],
+                                      {"0GB": "is not a size", "-1GB": "is not a size", f"{HUGE}TB": "does not parse"}),
+    ("inspect", "--sample"): (lambda d, s, t, v: ["inspect", s, "--tables", "--sample", v],
+                              {0: "2<=x<=4096", HUGE: "2<=x<=4096"}),
+    ("inspect", "--seed"): (lambda d, s, t, v: ["inspect", s, "--tables", "--seed", v],
+                            {-1: "0<=x<=", 2**64: "0<=x<="}),
+    ("inspect", "--text-tokens"): (lambda d, s, t, v: ["inspect", s, "--tables", "--text", t, "--text-tokens", v],
+                                   {0: "x>=1", HUGE: None}),
+    ("inspect", "--layer"): (lambda d, s, t, v: ["inspect", s, "--nearest", "w5", "--layer", v],
+                             {-1: "not a STEM layer", HUGE: "not a STEM layer"}),
+    ("inspect", "--top"): (lambda d, s, t, v: ["inspect", s, "--nearest", "w5", "--layer", 0, "--top", v],
+                           {0: "x>=1", HUGE: None}),
+    ("edit", "--max-new-tokens"): (lambda d, s, t, v: ["edit", s, "--swap", "w5=w6", "--prompt", "w1 w5",
+                                                       "--max-new-tokens", v],
+                                   {0: "x>=1", HUGE: "pass the model's context of 64; give at most 62"}),
+    ("edit", "--layers"): (lambda d, s, t, v: ["edit", s, "--swap", "w5=w6", "--layers", v],
+                           {-1: "is not understood", HUGE: "does not exist"}),
+    ("eval", "--window"): (lambda d, s, t, v: ["eval", s, "--data", t, "--window", v],
+                           {0: "x>=2", 1: "x>=2", HUGE: "fewer than one window"}),
+    ("eval", "--max-tokens"): (lambda d, s, t, v: ["eval", s, "--data", t, "--window", 32, "--max-tokens", v],
+                               {0: "x>=1", -1: "x>=1", HUGE: None}),
+}
+
+
+def _numeric_options() -> set:
+    """(command, option) for every option that takes a number, or a size or layer count given as text."""
+    found = set()
+    for name, command in main.commands.items():
+        for param in command.params:
+            numeric = isinstance(param.type, (click.types.IntParamType, click.types.FloatParamType))
+            if isinstance(param, click.Option) and (numeric or param.opts[0] in ("--layers", "--max-shard-size")):
+                found.add((name, param.opts[0]))
+    return found
+
+
+def test_every_numeric_option_is_in_the_table():
+    assert _numeric_options() == set(NUMERIC_OPTIONS)
+
+
+@pytest.mark.parametrize("option", list(NUMERIC_OPTIONS), ids=" ".join)
+def test_bad_numbers_of_every_option_end_in_one_line(good, stem, tmp_path, option):
+    make, cases = NUMERIC_OPTIONS[option]
+    text = tmp_path / "text.txt"
+    text.write_text((good.parent / "text.txt").read_text())
+    for value, says in cases.items():
+        args = [str(a) for a in make(good, stem, text, value)]
+        if says is None:
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 0 and result.exception is None, (value, result.output)
+        else:
+            assert says in one_line_error(args), (value, says)
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)

@@ -180,7 +180,15 @@ def test_train_cli_refuses_to_mix_runs(workspace):
         result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "fresh"), *sets])
     assert result.exit_code == 1 and "ACCELERATE_USE_CPU=1" in result.output and not (workspace / "fresh").exists()
     result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "x"), "--set", "train.steps=0"])
-    assert result.exit_code == 1 and "train.steps must be positive" in result.output
+    assert result.exit_code == 1 and "train.steps must be > 0, got 0" in result.output
+    for overrides, says in [(["generated.tokens=2000", "generated.length=100"],
+                             "generated.length 100 passes the teacher's context of 64 positions; give at most 64"),
+                            (["train.trainable=[lora]", "lora.r=33"], "lora.r 33 is above the model's hidden size 32")]:
+        sets = [w for o in _overrides(workspace, "train.steps=1", *overrides) for w in ("--set", o)]
+        result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "bad"), *sets])
+        errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+        assert result.exit_code == 1 and len(errors) == 1 and says in errors[0], result.output
+        assert not (workspace / "bad").exists()  # so that the corrected command can use the same --output
 
 
 def test_a_checkpoint_is_complete_only_once_every_process_wrote_its_part(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """Building blocks of `stem-upcycle train`: head loss, table optimizers, hand-off, recipe, data."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,7 @@ from stem_upcycle.convert import plan_conversion, run_conversion
 from stem_upcycle.source import open_source
 from stem_upcycle.training.data import Batches
 from stem_upcycle.training.losses import IGNORE, HeadLoss, head_loss
-from stem_upcycle.training.recipe import RecipeError, load_recipe
+from stem_upcycle.training.recipe import RANGES, Recipe, RecipeError, load_recipe
 from stem_upcycle.training.student import attach_tables, base_model, set_blend, set_handoff
 from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagrad, SharedTables
 
@@ -164,7 +166,7 @@ def test_recipe_overrides_and_errors(tmp_path):
         (["train.batch_size=6", "train.micro_batch_size=4"], "not a multiple"),
         (["tables.optimizer=sgd"], "sgd"),
         (["steps=3"], "section.key=value"),
-        (["generated.train_share=1.5"], "generated.train_share must lie in"),
+        (["generated.train_share=1.5"], r"generated.train_share must be in \[0, 1\], got 1.5"),
         (["generated.tokens=100"], "makes no training sequence"),
         (["generated.tokens=5000", "generated.first_tokens=300"], "must be below generated.length"),
         (["data.train=[]"], "data.train is empty"),
@@ -175,6 +177,26 @@ def test_recipe_overrides_and_errors(tmp_path):
             load_recipe(recipe_file, overrides)
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "missing.yaml")
+
+
+def test_every_numeric_recipe_key_has_a_range_and_a_value_outside_it_is_one_line(tmp_path):
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("model: {source: smollm2-135m}\ndata: {train: [a.txt]}\n")
+    types = {f"{section.name}.{f.name}": f.type for section in dataclasses.fields(Recipe)
+             for f in dataclasses.fields(section.type)}
+    assert {key for key, kind in types.items() if kind in (int, float, "int", "float")} == set(RANGES)
+    for key, bounds in RANGES.items():
+        if bounds.startswith(">"):
+            op, limit = bounds.split()
+            outside = [float(limit) if op == ">" else float(limit) - 1]
+        else:
+            low, high = (float(x) for x in bounds[1:-1].split(","))
+            outside = [low - 1, high if bounds.endswith(")") else high * 2]
+        for value in outside:
+            value = int(value) if types[key] in (int, "int") else value
+            with pytest.raises(RecipeError, match=rf"^recipe key {key} must be .*, got ") as err:
+                load_recipe(recipe_file, [f"{key}={value}"])
+            assert "\n" not in str(err.value)
 
 
 def test_batches_are_deterministic_and_an_epoch_reads_every_sequence_once():

@@ -12,6 +12,7 @@ import torch
 from ..generate import GeneratedText, Sampling, as_stream
 from ..source import open_source
 from .data import eval_files, expand_files, heldout_paths
+from .recipe import RecipeError
 
 
 def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> tuple[torch.Tensor | None, dict]:
@@ -20,8 +21,12 @@ def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> t
     g = recipe.generated
     if not g.tokens:
         return None, {}
-    length = g.length
-    sampling = Sampling(sequences=-(-g.tokens // length), length=length, batch_size=g.batch_size,
+    length, context = g.length, getattr(teacher.config, "max_position_embeddings", None)
+    if context and length > context:
+        raise RecipeError(f"generated.length {length} passes the teacher's context of {context} positions; "
+                          f"give at most {context}")
+    sequences = -(-g.tokens // length)
+    sampling = Sampling(sequences=sequences, length=length, batch_size=min(g.batch_size, sequences),
                         first_tokens=g.first_tokens, first_top_k=g.first_top_k, temperature=g.temperature,
                         seed=g.seed)
     text = GeneratedText(source, sampling, g.cache_dir)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..families import family_for
 from ..init import mlp_projections
 from ..modeling.modeling_stem import StemMLP
+from .recipe import RecipeError
 from .tables import OffloadedTable, SharedTables
 
 # Which dense parameters each trainable part names (regular expressions on parameter names).
@@ -111,6 +112,9 @@ def select_trainable(model, parts: list[str], lora=None):
     if "lora" in parts:
         from peft import LoraConfig, get_peft_model
 
+        if lora.r > model.config.hidden_size:  # an adapter's rank is bounded by the matrices it adapts
+            raise RecipeError(f"lora.r {lora.r} is above the model's hidden size {model.config.hidden_size}, where a "
+                              f"rank stops adding anything; give at most {model.config.hidden_size}")
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=list(lora.target_modules), bias="none")
         model = get_peft_model(model, config)  # freezes the base weights; adapters train

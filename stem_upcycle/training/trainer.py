@@ -94,17 +94,34 @@ class Trainer:
                              f"({self.world} x {t.micro_batch_size})")
         if acc.distributed_type == DistributedType.FSDP and "lora" in t.trainable:
             raise TrainError("under FSDP, train LoRA-free: merging sharded adapters is not supported yet")
+        existed = self.output.exists()
         checkpoint.prepare_output(self.output, recipe, resume, acc.is_main_process, acc.wait_for_everyone)
         acc.wait_for_everyone()
+        try:
+            self._set_up(resume)
+        except UserError:
+            # A mistake found while setting up (a value the model refuses, too little text): a new run's OUTPUT
+            # holds only what this run wrote, so it goes, and the corrected command can use the same --output.
+            if acc.is_local_main_process and getattr(self, "shared", None) is not None:
+                shutil.rmtree(self.shared.folder, ignore_errors=True)  # this machine's copy of the tables
+            if not resume and acc.is_main_process:
+                shutil.rmtree(self.output, ignore_errors=True)
+                if existed:
+                    self.output.mkdir()
+            raise
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _set_up(self, resume: bool) -> None:
+        recipe, t, acc = self.recipe, self.recipe.train, self.accelerator
         torch.manual_seed(t.seed)
 
         self.source = open_source(recipe.model.source)
         self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
         self.teacher_tokenizer = load_tokenizer(self.source)  # what generation samples with and calibration joins with
         self.generated, self.generation_stats = generated_text(recipe, self.source, self.teacher,
-                                                               self.teacher_tokenizer, acc, progress)
+                                                               self.teacher_tokenizer, acc, self.progress)
         self.init_dir, calibrated = initial_model(recipe, self.source, self.teacher, self.teacher_tokenizer,
-                                                  self.generated, acc, self.output, progress)
+                                                  self.generated, acc, self.output, self.progress)
         init = open_source(str(self.init_dir))
         # Which ids' rows were set from text (calibrated here) or trained so far: the held-out tokens they
         # cover are reported with every evaluation. A first token that keeps W_up reads no row.
@@ -167,7 +184,6 @@ class Trainer:
             if recipe.handoff.steps and self.start_step >= recipe.handoff.steps:
                 set_handoff(student, None)  # the hand-off was over: W_up is dropped
 
-    # -- setup ---------------------------------------------------------------------------------
     def _teacher(self):
         dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
         return model_from_source(self.source, dtype).to(self.accelerator.device).requires_grad_(False)
