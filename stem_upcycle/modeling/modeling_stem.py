@@ -16,6 +16,7 @@ Exported next to the weights, so it imports only torch and transformers.
 """
 
 import copy
+import os
 import threading
 
 import torch
@@ -134,8 +135,22 @@ def _end_forward(module, args, kwargs, output):
         module.stem_tables_placement.end(module.stem_token_ids.current_of_thread())
 
 
-# The placement a `from_pretrained` in this thread is loading tables for, read by `post_init`.
+# The placement a `from_pretrained` in this thread is loading tables for (`active`), read by `post_init`.
 _loading = threading.local()
+
+
+def placement_of_config(config):
+    """The placement of a model built from its config alone (`from_config`, as vLLM builds models): None
+    (tables in memory, as parameters), unless `config.stem_tables` asks for mmap or host; then the tables
+    are read from the checkpoint the config was loaded from (`config._name_or_path`, a local folder), as
+    `from_pretrained` would. With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
+    if config.stem_tables in (None, "auto", "memory"):
+        return None
+    if not os.path.isdir(config._name_or_path or ""):
+        raise StemTablesError(f"stem_tables={config.stem_tables!r} in a model built from its config reads the tables "
+                              f"of the checkpoint the config came from, and {config._name_or_path!r} is no local "
+                              f"folder; load the config from the checkpoint's folder")
+    return open_tables(config._name_or_path, config, {})
 
 
 class _StemDispatch:
@@ -189,11 +204,12 @@ class _StemDispatch:
                 setattr(config, key, kwargs.pop(key))
         cls = cls.family_class(config.dense_model_type)
         _loading.placement = open_tables(pretrained_model_name_or_path, config, hub_kwargs)
+        _loading.active = True
         try:
             return super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
                                                              **kwargs)
         finally:
-            _loading.placement = None
+            _loading.placement, _loading.active = None, False
 
     @classmethod
     def _from_config(cls, config, **kwargs):
@@ -204,7 +220,8 @@ class _StemDispatch:
         # MLPs of the STEM layers are replaced and the id hooks are installed on the base model.
         base = self.base_model
         base.stem_token_ids = IdHandoff()
-        placement = base.stem_tables_placement = getattr(_loading, "placement", None)
+        loading = getattr(_loading, "active", False)
+        placement = base.stem_tables_placement = _loading.placement if loading else placement_of_config(self.config)
         for index in self.config.stem_layers:
             if placement is None:
                 table = MemoryTable(self.config.vocab_size, self.config.intermediate_size)
@@ -213,8 +230,9 @@ class _StemDispatch:
             base.layers[index].mlp = StemMLP.from_config(self.config, table, base.stem_token_ids, index)
         if placement is not None:
             placement.mlps = {i: base.layers[i].mlp for i in self.config.stem_layers}
-        base.register_forward_pre_hook(_start_forward, with_kwargs=True)
-        base.register_forward_hook(_end_forward, with_kwargs=True)
+        if base is not self:  # a StemModel starts its forwards in its own `forward`
+            base.register_forward_pre_hook(_start_forward, with_kwargs=True)
+            base.register_forward_hook(_end_forward, with_kwargs=True)
         super().post_init()
         if placement is not None:  # the tables in the checkpoint are not this model's parameters
             ignored = self._keys_to_ignore_on_load_unexpected  # a set in recent Transformers, a list or None before
@@ -310,6 +328,19 @@ class StemModel(StemPreTrainedModel):
     """The STEM decoder without LM head (a subclass of the dense family's base model)."""
 
     _dense_mapping = modeling_auto.MODEL_MAPPING_NAMES
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, **kwargs):
+        # Difference from the dense family: the forward hands its ids to the STEM MLPs. Here rather
+        # than in forward hooks (as for the base model inside StemForCausalLM): vLLM, which serves a
+        # Transformers model through its base model, calls `forward` directly, past nn.Module's hooks
+        # (and reads the names of its arguments).
+        kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      past_key_values=past_key_values, inputs_embeds=inputs_embeds)
+        _start_forward(self, (), kwargs)
+        output = super().forward(**kwargs)
+        _end_forward(self, (), kwargs, output)
+        return output
 
 
 class StemForCausalLM(StemPreTrainedModel, GenerationMixin):

