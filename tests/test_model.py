@@ -165,3 +165,44 @@ def test_resizing_the_vocabulary_grows_the_tables_with_fitted_rows(tmp_path, ids
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_first_tokens_of_a_packed_row_are_where_the_positions_restart():
+    """vLLM packs a batch's sequences into one row [1, tokens], each numbered from 0, with no mask."""
+    from stem_upcycle.modeling.stem_tables import first_tokens
+
+    ids = torch.arange(6)[None]
+    rows, starts = first_tokens(ids, {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}, past=0)
+    assert rows.tolist() == [0, 0, 0] and starts.tolist() == [0, 3, 5]
+    assert first_tokens(ids, {"position_ids": torch.tensor([[7, 8, 9, 10, 11, 12]])}, past=0) is None  # decode steps
+    rows, starts = first_tokens(ids, {}, past=0)  # no positions: position 0
+    assert rows.tolist() == [0] and starts.tolist() == [0]
+
+
+def test_the_base_model_works_when_its_forward_is_called_directly(tmp_path, ids):
+    """As vLLM calls it: `forward`, not `__call__`, so no forward hook runs."""
+    tiny_stem().save_pretrained(tmp_path / "m")
+    base = AutoModel.from_pretrained(tmp_path / "m").eval()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(base.forward(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state,
+                                   base(ids).last_hidden_state, rtol=0, atol=0)
+
+
+def test_a_model_built_from_its_config_reads_the_tables_the_config_asks_for(tmp_path, ids):
+    """vLLM builds models with from_config; `hf_overrides={"stem_tables": "mmap"}` keeps the tables in their files."""
+    from transformers import AutoConfig
+
+    from stem_upcycle.modeling.stem_tables import StemTablesError
+
+    model = tiny_stem()
+    model.save_pretrained(tmp_path / "m")
+    built = AutoModel.from_config(AutoConfig.from_pretrained(tmp_path / "m", stem_tables="mmap"))
+    assert built.stem_tables == "mmap" and not any("up_table" in n for n in built.state_dict())
+    for layer in model.config.stem_layers:
+        assert torch.equal(built.stem_table_rows(layer, ids[0]), model.stem_table_rows(layer, ids[0]))
+    assert AutoModel.from_config(AutoConfig.from_pretrained(tmp_path / "m")).stem_tables == "memory"  # as asked
+    config = AutoConfig.from_pretrained(tmp_path / "m", stem_tables="mmap")
+    config._name_or_path = "someone/stem-model"
+    with pytest.raises(StemTablesError, match="is no local folder"):
+        AutoModel.from_config(config)

@@ -1,0 +1,110 @@
+"""Serving a converted SmolLM2 with vLLM (offline and over its OpenAI-compatible HTTP server): greedy text equal
+to Transformers' `generate()`, several requests batched at once, tables in vLLM's memory or in their files.
+
+Runs in vLLM's own environment (scripts/install-vllm.sh): `.venv-vllm/bin/python -m pytest -m vllm`."""
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here")]
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
+           "The largest planet in the solar system is", "Water boils at", "Shakespeare wrote"]
+NEW_TOKENS = 16
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: plenty for these requests
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """SmolLM2-135M with three layers converted (the first included, so that every prompt's first token is one a
+    STEM layer keeps dense), and Transformers' greedy continuation of every prompt."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stem_upcycle.cli import main
+
+    out = tmp_path_factory.mktemp("vllm") / "stem"
+    result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(out), "--layers", "0,15,21", "--quiet"])
+    assert result.exit_code == 0, result.output
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32,
+                                                 stem_tables="memory").eval()
+    expected = {}
+    for prompt in PROMPTS:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        expected[prompt] = ids[0, inputs["input_ids"].shape[1]:].tolist()
+    return out, expected, tokenizer
+
+
+@pytest.mark.parametrize("tables", ["memory", "mmap"])
+def test_offline_batched_greedy_text_equals_transformers(converted, tables):
+    path, expected, _ = converted
+    command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *PROMPTS,
+               "--tables", tables, "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=ENV)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    got = {r["prompt"]: r["token_ids"] for r in map(json.loads, filter(lambda l: l.startswith("{"),
+                                                                        result.stdout.splitlines()))}
+    assert got == expected
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_answers_concurrent_requests_with_the_greedy_text_of_transformers(converted):
+    from openai import OpenAI
+
+    path, expected, tokenizer = converted
+    port = _free_port()
+    # `python -m vllm.entrypoints.openai.api_server` is `vllm serve`; vllm-cpu's `vllm` command looks up the
+    # metadata of a package named vllm, which it is not, and fails before serving.
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+                               "--model-impl", "transformers", "--trust-remote-code", "--dtype", "float32",
+                               "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1",
+                               "--port", str(port)],
+                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, server.stdout.read()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up in 10 minutes"
+                time.sleep(2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+
+        def complete(prompt):
+            return client.completions.create(model=str(path), prompt=prompt, max_tokens=NEW_TOKENS,
+                                             temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # all in flight at once: batched by the server
+            answers = dict(zip(PROMPTS, pool.map(complete, PROMPTS)))
+        assert answers == {p: tokenizer.decode(ids) for p, ids in expected.items()}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
