@@ -206,3 +206,12 @@ def test_a_model_built_from_its_config_reads_the_tables_the_config_asks_for(tmp_
     config._name_or_path = "someone/stem-model"
     with pytest.raises(StemTablesError, match="is no local folder"):
         AutoModel.from_config(config)
+
+
+def test_a_whole_graph_compile_of_the_base_model_says_to_run_it_eagerly(tmp_path, ids):
+    """vLLM compiles the base model whole unless told `enforce_eager`; the STEM layers' reads cannot be traced."""
+    tiny_stem().save_pretrained(tmp_path / "m")
+    base = AutoModel.from_pretrained(tmp_path / "m").eval()
+    with pytest.raises(Exception, match="run it eagerly"):
+        torch.compile(base, backend="eager", fullgraph=True)(ids)
+    torch._dynamo.reset()

@@ -335,6 +335,9 @@ class StemModel(StemPreTrainedModel):
         # than in forward hooks (as for the base model inside StemForCausalLM): vLLM, which serves a
         # Transformers model through its base model, calls `forward` directly, past nn.Module's hooks
         # (and reads the names of its arguments).
+        if torch.compiler.is_compiling():
+            raise RuntimeError("a STEM model reads its table rows in Python, which torch.compile cannot trace: "
+                               "run it eagerly (vLLM: enforce_eager=True, `vllm serve --enforce-eager`)")
         kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       past_key_values=past_key_values, inputs_embeds=inputs_embeds)
         _start_forward(self, (), kwargs)
