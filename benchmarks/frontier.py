@@ -2,6 +2,7 @@
 
     python benchmarks/frontier.py                                  # SmolLM2-135M, the CPU recipe, 1-15 layers
     python benchmarks/frontier.py --counts 1,3 --select auto --skip edits,lastword
+    python benchmarks/frontier.py --counts '' --layers 15,21                  # a point of chosen layers
 
 Each point converts COUNT of the source's layers, chosen by `--layers auto:COUNT/N` (every layer
 calibrated, each scored alone on calibration windows left out of it; the calibration text is the
@@ -179,6 +180,8 @@ def main():
     parser.add_argument("--output", type=Path, default=Path("runs/frontier"))
     parser.add_argument("--counts", default="1,3,5,10,15", help="layers converted, comma-separated")
     parser.add_argument("--select", default="auto,even", help="auto (--layers auto:), even (evenly spaced), or both")
+    parser.add_argument("--layers", action="append", default=[], metavar="L1,L2,...",
+                        help="a point converting exactly these layers (beside --counts; --counts '' for none)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a recipe override for every point (as `train --set`)")
     parser.add_argument("--heldout", action="append", default=[], metavar="NAME=FILE",
@@ -199,7 +202,7 @@ def main():
     print(f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
           file=sys.stderr)
     measure("parent", recipe.model.source, args.output / "parent", args, sets, recipe, None)
-    for count in map(int, args.counts.split(",")):
+    for count in map(int, filter(None, args.counts.split(","))):
         for select in args.select.split(","):
             costs = measured_costs(args.output) if select == "auto" else None
             spec = (f"{count}/{layers_total}" if select == "even" else f"auto:{count}/{layers_total}" if costs is None
@@ -208,6 +211,10 @@ def main():
             folder = args.output / name
             measure(name, str(folder / "model"), folder, args, sets, recipe, spec)
             (args.output / "frontier.md").write_text(markdown(every_point(args.output), list(sets)) + "\n")
+    for spec in args.layers:
+        folder = args.output / f"layers-{spec.replace(',', '-')}"
+        measure(folder.name, str(folder / "model"), folder, args, sets, recipe, spec)
+        (args.output / "frontier.md").write_text(markdown(every_point(args.output), list(sets)) + "\n")
     print(markdown(every_point(args.output), list(sets)))
 
 
