@@ -7,7 +7,8 @@ import sys
 import click
 
 from .card import UNTRAINED_WARNING
-from .convert import DTYPES, FIRST_TOKEN
+from .convert import FIRST_TOKEN
+from .source import DTYPES
 from .editing import MODES
 from .errors import UserError
 from .initialisers import INITIALISERS

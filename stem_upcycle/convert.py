@@ -26,7 +26,7 @@ from .layers import DEFAULT_LAYERS, parse_layers
 from .sensitivity import auto_fraction, check_auto, is_auto, select_layers
 from .modeling import StemConfig
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards, staging_dir
-from .source import Source
+from .source import DTYPES, TOKENIZER_FILES, Source
 
 MODELING_DIR = Path(__file__).parent / "modeling"
 MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "stem_tables.py")
@@ -35,13 +35,8 @@ AUTO_MAP = {
     "AutoModel": "modeling_stem.StemModel",
     "AutoModelForCausalLM": "modeling_stem.StemForCausalLM",
 }
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
-)
 CHUNK_BYTES = 64 * 2**20  # rows of a table computed at once
 POOL_BUFFERS = 3  # chunk buffers in circulation: one computing, up to two queued for the disk
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # Tables are computed in fp32 and cast when written. Measured on this project's AVX2 CPU (no native
 # bf16): fp32 mm ~100 GFLOP/s, bf16 1-15 GFLOP/s depending on layout, fp16 slower still.
 COMPUTE_DTYPE = torch.float32

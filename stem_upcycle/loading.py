@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-from .source import Source, open_source
+from .source import DTYPES, TOKENIZER_FILES, Source, open_source
 
 
 class LoadError(UserError):
@@ -29,10 +29,9 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The dtype models compute in on `device` (a name of convert.DTYPES, or `auto`: bf16 on an accelerator
+    """The dtype models compute in on `device` (a name of source.DTYPES, or `auto`: bf16 on an accelerator
     that supports it, fp32 otherwise). fp16 is refused on the CPU (where torch computes it slowly and, for
     some operators, not at all)."""
-    from .convert import DTYPES  # not at the top: convert imports (through calibration) this module
 
     if dtype == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -84,7 +83,6 @@ def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_t
 def load_tokenizer(source: Source):
     from transformers import AutoTokenizer
 
-    from .convert import TOKENIZER_FILES
 
     path, kwargs = source.tokenizer_args
     folder = Path(path)

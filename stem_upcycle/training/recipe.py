@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from ..convert import DTYPES, FIRST_TOKEN
+from ..convert import FIRST_TOKEN
+from ..source import DTYPES
 from ..errors import UserError
 from ..generate import Sampling
 
