@@ -4,12 +4,12 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from .initialisers import INITIALISERS
 
-# Measured with `stem-upcycle eval` on 8192 held-out tokens of Hamlet (see the README).
 UNTRAINED_WARNING = (
-    "A freshly converted STEM model is worse than its dense base: SmolLM2-135M with every third "
-    "layer converted (the default) scores a perplexity of 5.7e4 with the data-free closed-form "
-    "init and 127 with --init calib (65k tokens of other plays), against 42 for the dense model. "
-    "Recovery training is needed to close the gap."
+    "A freshly converted STEM model is worse than its dense base, by how much depends on the layers "
+    "converted and the table init (measured on SmolLM2-135M with every third layer: 5.7e4 perplexity "
+    "with the data-free closed-form init, 3x its base with --init calib). Recovery training "
+    "(`stem-upcycle train`) closes part of the gap; measure this model against its base with "
+    "`stem-upcycle eval MODEL --data FILE --reference BASE`."
 )
 
 

@@ -21,8 +21,8 @@ class StemConfig(PretrainedConfig):
         stem_dense_first_token: whether each sequence's first token keeps the dense up-projection
             (`up_proj`, kept in every STEM layer for that token alone) instead of its table row; see
             `StemMLP`.
-        stem_tables: where `from_pretrained` puts the tables: "memory" (parameters), "mmap" (read-only
-            maps of the checkpoint files), "host" (host memory with a row cache on the accelerator);
+        stem_tables: where `from_pretrained` puts the tables: "memory" (parameters), "mmap" (rows read from
+            the checkpoint files with `pread` as forwards need them), "host" (host memory with a row cache on the accelerator);
             None: "mmap" when the checkpoint is in safetensors files, else "memory". A keyword of
             `from_pretrained` overrides it.
         stem_cache_rows: rows (token ids) the "host" placement caches on the device.
