@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from .errors import UserError
+from .shards import DTYPE_CODES
 
 # What a checkpoint folder holds besides its weights, and the dtypes its weights may be written in.
 TOKENIZER_FILES = (
@@ -57,11 +58,7 @@ class TensorStore:
         return name in set(self.names())
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+_SAFETENSORS_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}  # safetensors' dtype code -> torch
 
 
 class SafetensorsStore(TensorStore):

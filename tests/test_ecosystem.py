@@ -5,8 +5,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from .conftest import VOCAB
-from .test_model import tiny_stem
+from .conftest import VOCAB, tiny_stem
 
 
 def test_transformers_trainer_with_lora_on_a_stem_model(tmp_path):

@@ -15,8 +15,7 @@ from stem_upcycle import editing
 from stem_upcycle.cli import main
 from stem_upcycle.editing import EditError, Swap, plan_edit
 
-from .conftest import save_tiny_tokenizer
-from .test_model import tiny_stem
+from .conftest import save_tiny_tokenizer, tiny_stem
 
 PROMPT = "w1 w5 w2 w3 w5 w4"  # "w5" (id 5) at positions 1 and 4
 

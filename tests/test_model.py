@@ -4,19 +4,9 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
-from stem_upcycle import StemConfig, StemForCausalLM
-from stem_upcycle.convert import stem_config
-from stem_upcycle.families import family_for
+from stem_upcycle import StemConfig
 
-from .conftest import VOCAB, tiny_dense
-
-
-def tiny_stem(model_type="llama", layers=(0, 2), seed=0, dense_first_token=True):
-    dense = tiny_dense(model_type, seed=seed)
-    config = stem_config(dense.config, family_for(model_type), list(layers), "random", torch.float32, False,
-                         dense_first_token)
-    torch.manual_seed(seed)
-    return StemForCausalLM(config).eval()
+from .conftest import VOCAB, tiny_stem
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3"])

@@ -8,8 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from stem_upcycle.modeling.stem_tables import StemTablesError, check_ids
 
-from .conftest import VOCAB
-from .test_model import tiny_stem
+from .conftest import VOCAB, tiny_stem
 
 PLACEMENTS = ["mmap", "host"]
 

@@ -10,8 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from .conftest import export_stem, run_without_stem_upcycle
-from .test_model import tiny_stem
+from .conftest import export_stem, run_without_stem_upcycle, tiny_stem
 
 LOAD = """
 import torch

@@ -9,8 +9,7 @@ from click.testing import CliRunner
 from stem_upcycle.cli import main
 from stem_upcycle.table_stats import seeded_sample, spread
 
-from .conftest import VOCAB, save_tiny_tokenizer
-from .test_model import tiny_stem
+from .conftest import VOCAB, save_tiny_tokenizer, tiny_stem
 
 
 @pytest.fixture

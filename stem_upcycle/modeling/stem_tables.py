@@ -32,6 +32,7 @@ from torch import nn
 
 PLACEMENTS = ("memory", "mmap", "host")
 DEFAULT_CACHE_ROWS = 2048  # the official STEM engine's LFU cache size
+# The float codes of shards.DTYPE_CODES: this file is exported next to the weights and imports only torch.
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
