@@ -135,7 +135,8 @@ def _end_forward(module, args, kwargs, output):
         module.stem_tables_placement.end(module.stem_token_ids.current_of_thread())
 
 
-# The placement a `from_pretrained` in this thread is loading tables for (`active`), read by `post_init`.
+# The placement a `from_pretrained` in this thread is loading tables for, read by `post_init`; unset
+# outside `from_pretrained` (a model built from its config alone).
 _loading = threading.local()
 
 
@@ -204,12 +205,11 @@ class _StemDispatch:
                 setattr(config, key, kwargs.pop(key))
         cls = cls.family_class(config.dense_model_type)
         _loading.placement = open_tables(pretrained_model_name_or_path, config, hub_kwargs)
-        _loading.active = True
         try:
             return super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
                                                              **kwargs)
         finally:
-            _loading.placement, _loading.active = None, False
+            del _loading.placement
 
     @classmethod
     def _from_config(cls, config, **kwargs):
@@ -220,7 +220,7 @@ class _StemDispatch:
         # MLPs of the STEM layers are replaced and the id hooks are installed on the base model.
         base = self.base_model
         base.stem_token_ids = IdHandoff()
-        loading = getattr(_loading, "active", False)
+        loading = hasattr(_loading, "placement")
         placement = base.stem_tables_placement = _loading.placement if loading else placement_of_config(self.config)
         for index in self.config.stem_layers:
             if placement is None:

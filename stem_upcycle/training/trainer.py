@@ -102,8 +102,8 @@ class Trainer:
         except UserError:
             # A mistake found while setting up (a value the model refuses, too little text): a new run's OUTPUT
             # holds only what this run wrote, so it goes, and the corrected command can use the same --output.
-            if acc.is_local_main_process and getattr(self, "shared", None) is not None:
-                shutil.rmtree(self.shared.folder, ignore_errors=True)  # this machine's copy of the tables
+            if getattr(self, "shared", None) is not None:
+                self._remove_host_tables()
             if not resume and acc.is_main_process:
                 shutil.rmtree(self.output, ignore_errors=True)
                 if existed:
@@ -362,12 +362,16 @@ class Trainer:
             if not self.recipe.train.keep_checkpoints_at_end:  # OUTPUT is then the model, ready to share
                 shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
         acc.wait_for_everyone()
-        if acc.is_local_main_process:  # each machine's copy of the tables; never the user's host_dir itself
+        self._remove_host_tables()
+        return self.output
+
+    def _remove_host_tables(self) -> None:
+        """This machine's copy of the tables (by its local main process); never the user's host_dir itself."""
+        if self.accelerator.is_local_main_process:
             shutil.rmtree(self.shared.folder, ignore_errors=True)
             if not self.recipe.tables.host_dir:
                 with suppress(OSError):  # still holding another machine's copy: its own process removes it
                     (self.output / "host-tables").rmdir()
-        return self.output
 
 
 def train(recipe: Recipe, output: str | Path, resume: bool = False, progress: bool = True) -> Path:
