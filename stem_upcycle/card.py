@@ -22,7 +22,7 @@ def model_card(plan, command: str) -> str:
 
 
 def _body(plan, command: str, license_: str) -> str:
-    cfg, tables = plan.config, plan.table_specs
+    cfg = plan.config
     return f"""
 # STEM model upcycled from `{plan.source.spec}`
 
@@ -37,7 +37,7 @@ up-projection is replaced by a table with one row of size {cfg.intermediate_size
 | licence of the base model | {license_} |
 | STEM layers | {len(plan.layers)} of {cfg.num_hidden_layers}: {plan.layers} |
 | table init | `{plan.init}`: {INITIALISERS[plan.init].description} |
-| tables | {len(tables)} x [{cfg.vocab_size}, {cfg.intermediate_size}], {tables[0].dtype} |
+| tables | {len(plan.layers)} x [{cfg.vocab_size}, {cfg.intermediate_size}], {plan.table_format.describe()}: {plan.table_bytes / 1e9:.2f} GB |
 | first token | {"dense up-projection (kept for each sequence's first token)" if cfg.stem_dense_first_token else "its table row"} |
 | weights | {plan.total_bytes / 1e9:.2f} GB in {len(plan.shards)} safetensors shard(s) |
 | made with | `{command or "stem_upcycle.convert"}` |

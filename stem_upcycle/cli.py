@@ -14,6 +14,7 @@ from .errors import UserError
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS
 from .modeling.stem_tables import PLACEMENTS, StemTablesError
+from .modeling.table_format import COMPRESSED, TABLE_DTYPES
 
 
 def _given_options() -> dict[str, str]:
@@ -39,6 +40,16 @@ def _fail_cleanly(fn):
 # Numeric options, declared with their ranges: a bad value is click's one-line usage error.
 COUNT = click.IntRange(min=1)
 WINDOW = click.IntRange(min=2)  # a window scores (or calibrates) its tokens after the first
+
+_BLOCKS = ", ".join(f"{name} {block}" for name, (_, block) in COMPRESSED.items())
+TABLE_BLOCK = click.option("--table-block", type=click.IntRange(min=2), default=None, metavar="N",
+                           help=f"Elements that share one scale in a compressed table (default: {_BLOCKS}).")
+
+
+def table_dtype_option(default_help: str, required: bool = False):
+    return click.option("--table-dtype", type=click.Choice(TABLE_DTYPES), default=None, required=required,
+                        help="How the tables' rows are stored: a float dtype, or compressed (int8, float8 e4m3, int4) "
+                             f"with a float16 scale per block of elements. {default_help}")
 
 
 @click.group()
@@ -69,13 +80,15 @@ def main():
               help="Where the dense model reads the calibration text (fp32): auto (the GPU if there is one), cpu, cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
+@table_dtype_option("Default: --dtype.")
+@TABLE_BLOCK
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is not empty (only once the new model is complete).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
 def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, device,
-            dtype, max_shard_size, overwrite, dry_run, quiet):
+            dtype, table_dtype, table_block, max_shard_size, overwrite, dry_run, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id already in the local cache, a .gguf file,
@@ -102,7 +115,8 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
         options.update(generated_calibration(src, options["dense_model"], calib_generate, calib_tokens,
                                              progress=not quiet))
     plan = plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
-                           init_options=options, progress=not quiet, dry_run=dry_run, first_token=first_token)
+                           init_options=options, progress=not quiet, dry_run=dry_run, first_token=first_token,
+                           table_dtype=table_dtype, block_size=table_block)
     click.echo(plan.describe())
     if dry_run:
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)
@@ -110,7 +124,9 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
         return
     # The command as run, with every default spelled out, for the model card.
     words = ["stem-upcycle", "convert", source, out, "--layers", layers, "--init", init, "--first-token", first_token,
-             "--dtype", dtype, "--max-shard-size", str(max_shard_size)]
+             "--dtype", dtype, "--table-dtype", plan.table_format.dtype, "--max-shard-size", str(max_shard_size)]
+    if plan.table_format.compressed:
+        words += ["--table-block", str(plan.table_format.block_size)]
     if calib_data or calib_generate:
         words += [w for f in calib_data for w in ("--calib-data", f)]
         words += ["--calib-tokens", str(calib_tokens), "--calib-generate", str(calib_generate),
@@ -135,6 +151,42 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
         click.echo(f"generated {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} "
                    f"tokens/s) into {text.folder}", err=True)
     return {"calib_generated": as_stream(ids, tokenizer.eos_token_id)[:tokens]}
+
+
+@main.command()
+@click.argument("model")
+@click.argument("out", type=click.Path(file_okay=False))
+@table_dtype_option("float32, bfloat16 or float16 decompress them.", required=True)
+@TABLE_BLOCK
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it is not empty (only once the new model is complete).")
+@click.option("--dry-run", is_flag=True, help="Print the table bytes before and after and write nothing.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@_fail_cleanly
+def compress(model, out, table_dtype, table_block, max_shard_size, overwrite, dry_run, quiet):
+    """Store the tables of the STEM model MODEL in another format, into a new folder OUT.
+
+    Typically a recovered model: `stem-upcycle compress runs/my-stem runs/my-stem-int8 --table-dtype int8`.
+    Decompress with a float --table-dtype (training needs float tables).
+    """
+    from pathlib import Path
+
+    from .compress import plan_compression, run_compression
+    from .convert import check_output
+    from .source import open_source
+
+    plan = plan_compression(open_source(model), table_dtype, table_block, max_shard_size)
+    click.echo(plan.describe())
+    if dry_run:
+        check_output(Path(out), overwrite, plan.source, plan.total_bytes)
+        click.echo("dry run: nothing written")
+        return
+    words = ["stem-upcycle", "compress", model, out, "--table-dtype", table_dtype]
+    if plan.new.compressed:
+        words += ["--table-block", str(plan.new.block_size)]
+    run_compression(plan, Path(out), overwrite=overwrite, progress=not quiet,
+                    command=" ".join(shlex.quote(w) for w in words))
+    click.echo(f"wrote {out}")
 
 
 @main.command()

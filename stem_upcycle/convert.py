@@ -20,16 +20,17 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from . import card
 from .errors import UserError
-from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE, STEM_UP, Family, family_for, layer_name
+from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE_PREFIX, STEM_UP, Family, family_for, layer_name
 from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS, parse_layers
 from .sensitivity import auto_fraction, check_auto, is_auto, select_layers
 from .modeling import StemConfig
+from .modeling.table_format import TableFormat, TableFormatError
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards, staging_dir
 from .source import DTYPES, TOKENIZER_FILES, Source
 
 MODELING_DIR = Path(__file__).parent / "modeling"
-MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "stem_tables.py")
+MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "stem_tables.py", "table_format.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_stem.StemConfig",
     "AutoModel": "modeling_stem.StemModel",
@@ -57,7 +58,10 @@ class Copy:
 
 @dataclass(frozen=True)
 class Table:
+    """An output tensor that is a table, or one stored part of it (`TableFormat.parts`)."""
+
     layer: int
+    part: str = "weight"
 
 
 @dataclass
@@ -76,6 +80,7 @@ class ConversionPlan:
     init_options: dict
     # For `--layers auto:` in a dry run: the spec; `layers` then stands for the chosen count (sizes only)
     auto_spec: str | None = None
+    table_format: TableFormat | None = None  # how the tables' rows are stored; None: float, in `dtype`
 
     @property
     def total_bytes(self) -> int:
@@ -84,6 +89,10 @@ class ConversionPlan:
     @property
     def table_specs(self) -> list[TensorSpec]:
         return [s for s in self.specs if isinstance(self.producers[s.name], Table)]
+
+    @property
+    def table_bytes(self) -> int:
+        return sum(s.nbytes for s in self.table_specs)
 
     @property
     def chunk_rows(self) -> int:
@@ -115,8 +124,8 @@ class ConversionPlan:
             + (f"chosen by the real run ({self.auto_spec}: every layer calibrated, then each converted alone "
                f"and scored on calibration windows)" if self.auto_spec else f"{self.layers}"),
             f"init       {self.init}: {INITIALISERS[self.init].description}",
-            f"tables     {len(tables)} x [{cfg.vocab_size}, {cfg.intermediate_size}] {_dtype_name(self.dtype)}"
-            f" = {len(tables) * tables[0].nbytes / gb:.2f} GB ({tables[0].nbytes / gb:.2f} GB each)",
+            f"tables     {len(self.layers)} x [{cfg.vocab_size}, {cfg.intermediate_size}] {self.table_format.describe()}"
+            f" = {self.table_bytes / gb:.2f} GB ({self.table_bytes / len(self.layers) / gb:.2f} GB each)",
             f"output     {self.total_bytes / gb:.2f} GB in {len(self.shards)} shard(s)",
             f"peak RAM   ~{self.ram_estimate() / gb:.1f} GB (estimate)",
         ]
@@ -150,12 +159,15 @@ def plan_conversion(
     progress: bool = False,
     dry_run: bool = False,
     first_token: str = "dense",
+    table_dtype: str | None = None,
+    block_size: int | None = None,
 ) -> ConversionPlan:
     """Decide every output tensor and shard without reading any weight (`--layers auto:` reads them to
     measure the layers, except in a dry run, which plans for as many layers without choosing them).
 
     `first_token`: "dense" keeps each STEM layer's up-projection for the sequences' first tokens
-    (see `StemMLP`), "table" reads their rows like any other token's."""
+    (see `StemMLP`), "table" reads their rows like any other token's. `table_dtype` stores the tables'
+    rows as a float dtype or compressed (int8, float8, int4 with per-`block_size` scales); None: `dtype`."""
     dense = source.config
     family = family_for(dense.model_type)
     _refuse_quantized(source, family)
@@ -181,6 +193,7 @@ def plan_conversion(
     else:
         stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = resolve_dtype(dtype, source)
+    table_format = resolve_table_format(table_dtype or _dtype_name(out_dtype), block_size, dense.intermediate_size)
     tensors = source.tensors
 
     specs, producers = [], {}
@@ -206,23 +219,18 @@ def plan_conversion(
         producers[out_name] = producer
         last_of_layer = position + 1 == len(names) or _layer_of(names[position + 1]) != layer
         if layer in stem_layers and last_of_layer:
-            table = layer_name(layer, STEM_TABLE)
-            specs.append(TensorSpec(table, (dense.vocab_size, d_ff), out_dtype))
-            producers[table] = Table(layer)
+            for part, (width, part_dtype) in table_format.parts(d_ff).items():
+                table = layer_name(layer, f"{STEM_TABLE_PREFIX}.{part}")
+                specs.append(TensorSpec(table, (dense.vocab_size, width), part_dtype))
+                producers[table] = Table(layer, part)
     has_bias = layer_name(stem_layers[0], STEM_GATE + ".bias") in producers
     config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias, dense_first)
+    config.stem_table_format = table_format.to_config()
     if layer_costs is not None:  # what the choice rests on, kept for the user (and for choosing other counts)
         config.stem_layer_costs = {str(layer): round(cost, 4) for layer, cost in layer_costs.items()}
-    try:
-        max_bytes = convert_file_size_to_int(max_shard_size)
-    except ValueError:
-        raise ConversionError(f"--max-shard-size {max_shard_size!r} does not parse; give a size such as 2GB or "
-                              f"500MB") from None
-    if not isinstance(max_bytes, int) or max_bytes <= 0:
-        raise ConversionError(f"--max-shard-size {max_shard_size!r} is not a size such as 5GB or 500MB")
-    shards = plan_shards(specs, max_bytes)
+    shards = plan_shards(specs, parse_shard_size(max_shard_size))
     return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config, init_options,
-                          auto_spec)
+                          auto_spec, table_format)
 
 
 # Tensors that only quantized checkpoints hold: per-block or per-channel scales, packed integer weights.
@@ -278,6 +286,25 @@ def _refuse_quantized(source: Source, family: Family) -> None:
     if found:
         raise ConversionError(f"{source.spec} is a quantized checkpoint ({found}); stem-upcycle converts "
                               f"unquantized weights: give the bf16/fp16/fp32 original")
+
+
+def parse_shard_size(max_shard_size: str | int) -> int:
+    """Bytes of `--max-shard-size` (2GB, 500MB, or a number of bytes)."""
+    try:
+        max_bytes = convert_file_size_to_int(max_shard_size)
+    except ValueError:
+        raise ConversionError(f"--max-shard-size {max_shard_size!r} does not parse; give a size such as 2GB or "
+                              f"500MB") from None
+    if not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise ConversionError(f"--max-shard-size {max_shard_size!r} is not a size such as 5GB or 500MB")
+    return max_bytes
+
+
+def resolve_table_format(table_dtype: str, block_size: int | None, d_ff: int) -> TableFormat:
+    try:
+        return TableFormat.of(table_dtype, block_size, d_ff)
+    except TableFormatError as err:
+        raise ConversionError(f"--table-dtype {table_dtype}: {err}") from None
 
 
 def resolve_dtype(dtype: str, source: Source) -> torch.dtype:
@@ -352,7 +379,7 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
     try:
         _write_weights(plan, staging, progress)
         _write_side_files(plan, staging, command)
-        _move_into_place(staging, out)
+        move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -360,17 +387,29 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
 
 
 def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> None:
+    init = INITIALISERS[plan.init](plan, progress=progress)  # calibrating inits read their data here
+    write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, init.table_rows, plan.table_format,
+                  plan.config.intermediate_size, plan.chunk_rows, directory, progress)
+
+
+def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, table_rows, table_format: TableFormat,
+                  d_ff: int, chunk_rows: int, directory: Path, progress: bool) -> None:
+    """Write `specs` in order into `shards` under `directory`: copies of `tensors`, and tables whose rows
+    (of `d_ff`) `table_rows(layer)` fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`."""
     from tqdm.auto import tqdm
 
-    init = INITIALISERS[plan.init](plan, progress=progress)  # calibrating inits read their data here
-    bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress, file=sys.stderr)
-    writer = BackgroundWriter(ShardWriter(directory, plan.shards, on_bytes=bar.update))
+    total = sum(s.nbytes for s in specs)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="write", disable=not progress, file=sys.stderr)
+    writer = BackgroundWriter(ShardWriter(directory, shards, on_bytes=bar.update))
+    later = {}  # (layer, part) -> a compressed table's other parts, written after its values
     try:
-        tensors = plan.source.tensors
-        for spec in plan.specs:
-            producer = plan.producers[spec.name]
-            if isinstance(producer, Table):
-                _write_table(plan, init.table_rows(producer.layer), spec, writer)
+        for spec in specs:
+            producer = producers[spec.name]
+            if isinstance(producer, Table) and (producer.layer, producer.part) in later:
+                writer.submit(spec.name, later.pop((producer.layer, producer.part)))
+            elif isinstance(producer, Table):
+                later.update(_write_table(table_rows(producer.layer), spec, producer, table_format, d_ff, chunk_rows,
+                                          writer))
             else:
                 data = tensors.get(producer.source_name)
                 if producer.rows is not None:
@@ -384,23 +423,32 @@ def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> Non
         bar.close()
 
 
-def _write_table(plan: ConversionPlan, fill, spec: TensorSpec, writer: BackgroundWriter) -> None:
-    """Compute the table chunk by chunk into recycled buffers while earlier chunks are written."""
-    rows, d_ff = spec.shape
-    step = plan.chunk_rows
+def _write_table(fill, spec: TensorSpec, producer: Table, table_format: TableFormat, d_ff: int, chunk_rows: int,
+                 writer: BackgroundWriter) -> dict:
+    """Compute the table chunk by chunk into recycled buffers while earlier chunks are written.
+
+    A compressed table's values (`spec`) are written as they are encoded; its scales, 1/64 of its bytes
+    or less, are gathered and returned ({(layer, part): tensor}) to be written next, since each shard
+    holds its tensors one after another."""
+    rows = spec.shape[0]
     free = queue.Queue()
     for _ in range(POOL_BUFFERS):
-        free.put(torch.empty(step, d_ff, dtype=COMPUTE_DTYPE))
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
+        free.put(torch.empty(chunk_rows, d_ff, dtype=COMPUTE_DTYPE))
+    others = {}
+    for start in range(0, rows, chunk_rows):
+        stop = min(rows, start + chunk_rows)
         buffer = free.get()
         chunk = buffer[: stop - start]
         fill(start, stop, chunk)
         if chunk.dtype == spec.dtype:
             writer.submit(spec.name, chunk, release=lambda _, b=buffer: free.put(b))
-        else:
-            writer.submit(spec.name, chunk.to(spec.dtype))
-            free.put(buffer)
+            continue
+        parts = table_format.encode(chunk)
+        writer.submit(spec.name, parts.pop(producer.part))
+        free.put(buffer)
+        for part, data in parts.items():
+            others.setdefault((producer.layer, part), []).append(data)
+    return {key: torch.cat(chunks) for key, chunks in others.items()}
 
 
 def _write_side_files(plan: ConversionPlan, directory: Path, command: str) -> None:
@@ -434,7 +482,7 @@ def _write_tokenizer(source: Source, directory: Path) -> None:
     AutoTokenizer.from_pretrained(path, **kwargs).save_pretrained(directory)
 
 
-def _move_into_place(staging: Path, out: Path) -> None:
+def move_into_place(staging: Path, out: Path) -> None:
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
     if out.exists():  # --overwrite: swap, then delete the old model

@@ -317,41 +317,60 @@ def runtime_edit(model, tokenizer, prompt: str | list[str], plan: EditPlan, occu
 # --- persistent ------------------------------------------------------------------------------------
 
 
-def edited_rows(plan: EditPlan, read_rows) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per edited layer: (source ids [n], their rows now [n, d_ff], their rows after the edit), every
-    new row computed from the rows before the edit (so swaps in both directions exchange rows).
-    `read_rows(layer, ids) -> [n, d_ff]` in the table's dtype."""
+def edited_rows(plan: EditPlan, read_parts, format_of) -> dict[int, tuple[torch.Tensor, dict, dict]]:
+    """Per edited layer: (source ids [n], their stored rows now, their stored rows after the edit), each
+    a dict of parts (`weight`; `qweight` and `scales` for a compressed table), every new row computed
+    from the rows before the edit (so swaps in both directions exchange rows). A source that reads one
+    target row takes that row's stored parts as they are (a compressed row with its scales); a mix of
+    rows (`average`, padding) is decoded, summed and stored as the table stores rows.
+    `read_parts(layer, ids)` gives a table's stored rows, `format_of(layer)` its `TableFormat`."""
     reads = plan.new_rows()
     sources = torch.tensor(sorted(reads))
     needed = sorted({t for r in reads.values() for t, _ in r} | set(reads))
+    position = {token: i for i, token in enumerate(needed)}
     result = {}
     for layer in plan.layers:
-        rows = dict(zip(needed, read_rows(layer, torch.tensor(needed))))
-        new = torch.stack([sum(w * rows[t].float() for t, w in reads[s]) for s in sources.tolist()])
-        old = torch.stack([rows[s] for s in sources.tolist()])
-        result[layer] = (sources, old, new.to(old.dtype))
+        table_format = format_of(layer)
+        parts = read_parts(layer, torch.tensor(needed))
+        decoded = table_format.decode(parts, torch.float32)  # [len(needed), d_ff]
+        new = []
+        for s in sources.tolist():
+            if len(reads[s]) == 1 and reads[s][0][1] == 1.0:
+                new.append({name: rows[position[reads[s][0][0]]] for name, rows in parts.items()})
+            else:
+                mixed = sum(w * decoded[position[t]] for t, w in reads[s])
+                new.append({name: rows[0] for name, rows in table_format.encode(mixed[None]).items()})
+        old = {name: rows[[position[s] for s in sources.tolist()]] for name, rows in parts.items()}
+        result[layer] = (sources, old, {name: torch.stack([row[name] for row in new]) for name in parts})
     return result
 
 
 def apply_edit(model, plan: EditPlan) -> dict:
     """Edit the tables of a loaded model (any placement); returns what `revert_edit` needs."""
-    changes = edited_rows(plan, model.stem_table_rows)
+    changes = edited_rows(plan, model.stem_table_parts, model.stem_table_format)
     for layer, (ids, _, new) in changes.items():
-        model.set_stem_table_rows(layer, ids, new)
+        model.set_stem_table_parts(layer, ids, new)
     return changes
 
 
 def revert_edit(model, changes: dict) -> None:
     for layer, (ids, old, _) in changes.items():
-        model.set_stem_table_rows(layer, ids, old)
+        model.set_stem_table_parts(layer, ids, old)
 
 
 def _write_rows(path: Path, table: TableFile, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    row_bytes = table.nbytes // table.shape[0]
+    """Write the stored rows `rows` [n, ...] of one part of a table at `ids` [n], into the file at `path`."""
     with open(path, "r+b") as f:
         for token, row in zip(ids.tolist(), rows.to(table.dtype)):
-            f.seek(table.offset + token * row_bytes)
+            f.seek(table.offset + token * table.row_bytes)
             f.write(row.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _record_keys(layer, part: str) -> tuple[str, str]:
+    """(tensor name in an edit record, key of its file in the record's metadata) of one part of a
+    layer's table. A float table's rows keep the names of the records written before compressed tables
+    existed (`L.rows`, file key `L`), so those records still undo."""
+    return (f"{layer}.rows", str(layer)) if part == "weight" else (f"{layer}.{part}", f"{layer}.{part}")
 
 
 def _link_or_copy(src, dst) -> None:
@@ -373,17 +392,19 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
     config = json.loads((model_dir / "config.json").read_text())
     check_output(out_dir, model_dir)
     placed = stem_tables(open_source(str(model_dir)), plan.layers)
-    tables = placed.files
-    changes = edited_rows(plan, placed.read_rows)
+    tables = placed.stored
+    changes = edited_rows(plan, placed.read_parts, lambda layer: tables[layer].format)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        edited_files = {Path(tables[layer].path).name for layer in changes}
+        edited_files = {Path(part.path).name for layer in changes for part in tables[layer].parts.values()}
         shutil.copytree(model_dir, work, dirs_exist_ok=True, symlinks=False,
                         copy_function=lambda s, d: (shutil.copyfile if Path(s).name in edited_files and
                                                     Path(s).parent == model_dir else _link_or_copy)(s, d))
         for layer, (ids, _, new) in changes.items():
-            _write_rows(work / Path(tables[layer].path).name, tables[layer], ids, new)
+            for part, rows in new.items():
+                where = tables[layer].parts[part]
+                _write_rows(work / Path(where.path).name, where, ids, rows)
         record = _record_edit(work, config, plan, changes, tables, tokenizer, command)
         os.replace(work, out_dir) if out_dir.exists() else work.rename(out_dir)
     except BaseException:
@@ -408,13 +429,16 @@ def _record_edit(folder: Path, config: dict, plan: EditPlan, changes: dict, tabl
     edits = list(config.get("stem_edits", []))
     record_name = f"{EDITS_FOLDER}/edit-{len(edits) + 1:03d}.safetensors"
     readme = folder / "README.md"
-    tensors = {}
+    tensors, files = {}, {}
     for layer, (ids, old, _) in changes.items():
-        tensors[f"{layer}.ids"], tensors[f"{layer}.rows"] = ids.clone(), old.contiguous()  # one ids tensor per layer
+        tensors[f"{layer}.ids"] = ids.clone()  # one ids tensor per layer
+        for part, rows in old.items():
+            name, key = _record_keys(layer, part)
+            tensors[name], files[key] = rows.contiguous(), Path(tables[layer].parts[part].path).name
     for name in ("config.json", "README.md"):  # their bytes as they were, for an exact undo
         if (folder / name).exists():
             tensors[f"file.{name}"] = torch.tensor(list((folder / name).read_bytes()), dtype=torch.uint8)
-    metadata = {"files": json.dumps({str(layer): Path(tables[layer].path).name for layer in changes})}
+    metadata = {"files": json.dumps(files)}
     (folder / EDITS_FOLDER).mkdir(exist_ok=True)
     save_file(tensors, folder / record_name, metadata=metadata)
     entry = {"swaps": [str(s) for s in plan.swaps], "mode": plan.mode, "layers": list(plan.layers),
@@ -458,17 +482,19 @@ def undo_edits(model_dir, out_dir=None) -> int:
         if out_dir is not None:
             shutil.copytree(model_dir, target, dirs_exist_ok=True, copy_function=_link_or_copy,
                             ignore=lambda d, names: [EDITS_FOLDER] if Path(d) == model_dir else [])
-        tables = stem_tables(open_source(str(model_dir))).files
+        tables = stem_tables(open_source(str(model_dir))).stored
         touched = {}
         for record in reversed(records):  # the last edit first: each record holds the rows before it
             with safe_open(record, "pt") as f:
                 files = json.loads(f.metadata()["files"])
-                for layer, name in files.items():
+                for key, name in files.items():
+                    layer, _, part = key.partition(".")
                     if name not in touched:  # a fresh copy, so that a linked file is never written into
                         touched[name] = target / f".{name}.restoring"
                         shutil.copyfile(model_dir / name, touched[name])
-                    _write_rows(touched[name], tables[int(layer)], f.get_tensor(f"{layer}.ids"),
-                                f.get_tensor(f"{layer}.rows"))
+                    part = part or "weight"
+                    _write_rows(touched[name], tables[int(layer)].parts[part], f.get_tensor(f"{layer}.ids"),
+                                f.get_tensor(_record_keys(layer, part)[0]))
         for name, restored in touched.items():
             os.replace(restored, target / name)
         with safe_open(records[0], "pt") as f:  # config and card as they were before the first edit

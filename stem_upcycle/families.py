@@ -38,7 +38,8 @@ class Family:
 LAYER_PREFIX = "model.layers.{i}."
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
-STEM_TABLE = "mlp.up_table.weight"
+STEM_TABLE_PREFIX = "mlp.up_table"  # a table's tensors: .weight (float rows) or .qweight and .scales (table_format.py)
+STEM_TABLE = STEM_TABLE_PREFIX + ".weight"
 STEM_GATE = "mlp.gate_proj"
 STEM_UP = "mlp.up_proj"  # kept in a STEM layer for the sequences' first tokens (`--first-token dense`)
 

@@ -3,7 +3,7 @@
 import math
 from dataclasses import asdict, dataclass
 
-from .families import EMBEDDING, STEM_TABLE, STEM_UP, family_for, layer_name
+from .families import EMBEDDING, STEM_TABLE_PREFIX, STEM_UP, family_for, layer_name
 from .modeling.stem_tables import DEFAULT_CACHE_ROWS
 from .source import Source
 
@@ -83,13 +83,14 @@ def summarize(source: Source) -> Summary:
     # A token reads one row of the embedding and of each table; a tied head still reads all of E.
     tied_head = vocab * d if getattr(cfg, "tie_word_embeddings", False) and EMBEDDING in tensors else 0
     unread = (vocab - 1) * d if EMBEDDING in tensors else 0
-    unread += sum((vocab - 1) * d_ff for i in stem_layers if layer_name(i, STEM_TABLE) in tensors)
+    # A table's tensors: float rows, or compressed values and scales; a token reads one row of each.
+    tables = [n for n in tensors.names() if any(n.startswith(layer_name(i, STEM_TABLE_PREFIX + ".")) for i in stem_layers)]
+    unread += sum(math.prod(tensors.shape(n)) // vocab * (vocab - 1) for n in tables)
     # A STEM layer's up-projection, where kept (`--first-token dense`), is read for a sequence's first token only.
     unread += sum(math.prod(tensors.shape(n)) for i in stem_layers if (n := layer_name(i, STEM_UP + ".weight")) in tensors)
     layers = cfg.num_hidden_layers
     dense_flops = 2 * 3 * d * d_ff * layers  # gate, up, down: one multiply-add each per weight
     flops = dense_flops - 2 * d * d_ff * len(stem_layers)  # the up-projection became a lookup
-    tables = [layer_name(i, STEM_TABLE) for i in stem_layers if layer_name(i, STEM_TABLE) in tensors]
     table_bytes = sum(tensors.nbytes(n) for n in tables)
     dense_bytes = sum(tensors.nbytes(n) for n in tensors.names()) - table_bytes
     row_bytes = sum(tensors.nbytes(n) // vocab for n in tables)

@@ -42,7 +42,7 @@ def seeded_sample(population: int, size: int, seed: int) -> torch.Tensor:
 
 def chunks(tables, layer: int):
     """(first row, rows [<= CHUNK_ROWS, d_ff] in fp32) over a whole table, read a chunk at a time."""
-    vocab = tables.files[layer].shape[0]
+    vocab = tables.stored[layer].shape[0]
     for start in range(0, vocab, CHUNK_ROWS):
         yield start, tables.read_range(layer, start, min(start + CHUNK_ROWS, vocab)).float()
 
@@ -56,14 +56,14 @@ def row_norms(tables, layer: int) -> dict:
 def table_statistics(tables, sample: int = 2048, seed: int = 0, text_ids: torch.Tensor | None = None) -> dict:
     """Per STEM layer: row norms, the spread of a seeded sample of rows (uniform over the vocabulary)
     and, given a text's ids, of (a seeded sample of) the rows of its distinct tokens."""
-    vocab = next(iter(tables.files.values())).shape[0]
+    vocab = next(iter(tables.stored.values())).shape[0]
     ids = seeded_sample(vocab, sample, seed)
     text_tokens = None
     if text_ids is not None:
         distinct = text_ids.unique()
         text_tokens = distinct[seeded_sample(len(distinct), sample, seed)]
     layers = {}
-    for layer in sorted(tables.files):
+    for layer in sorted(tables.stored):
         stats = {"norms": row_norms(tables, layer), "spread": spread(tables.read_rows(layer, ids))}
         if text_tokens is not None:
             stats["spread_text_tokens"] = spread(tables.read_rows(layer, text_tokens))

@@ -30,6 +30,7 @@ import transformers
 from .configuration_stem import StemConfig
 from .stem_tables import (IdHandoff, PlacedTable, RowEdit, StemTablesError, cached_length, check_ids, first_tokens,
                           open_tables)
+from .table_format import FLOAT_DTYPES, TableFormat
 
 HUB_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "subfolder")
 
@@ -145,7 +146,7 @@ def placement_of_config(config):
     (tables in memory, as parameters), unless `config.stem_tables` asks for mmap or host; then the tables
     are read from the checkpoint the config was loaded from (`config._name_or_path`, a local folder), as
     `from_pretrained` would. With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
-    if config.stem_tables in (None, "auto", "memory"):
+    if config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None:
         return None
     if not os.path.isdir(config._name_or_path or ""):
         raise StemTablesError(f"stem_tables={config.stem_tables!r} in a model built from its config reads the tables "
@@ -236,7 +237,7 @@ class _StemDispatch:
         super().post_init()
         if placement is not None:  # the tables in the checkpoint are not this model's parameters
             ignored = self._keys_to_ignore_on_load_unexpected  # a set in recent Transformers, a list or None before
-            table = r"mlp\.up_table\.weight"
+            table = r"mlp\.up_table\.(weight|qweight|scales)"
             self._keys_to_ignore_on_load_unexpected = (ignored | {table} if isinstance(ignored, set)
                                                         else [*(ignored or []), table])
 
@@ -263,8 +264,27 @@ class _StemDispatch:
         self.base_model.stem_token_ids.edit = edit
 
     def stem_table_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """[n, d_ff] rows of `ids` [n] in the table of STEM layer `layer`, as stored, wherever it is placed."""
+        """[n, d_ff] rows of `ids` [n] in the table of STEM layer `layer`, wherever it is placed: as
+        stored (float tables), or decoded to float32 (compressed ones)."""
         return self._table_of(layer).read_rows(layer, ids.cpu())
+
+    def stem_table_format(self, layer: int) -> TableFormat:
+        """How the table of STEM layer `layer` stores its rows."""
+        table = self._table_of(layer)
+        if isinstance(table, _MemoryRows):  # parameters: float rows in the parameter's dtype
+            dtype = self.base_model.layers[layer].mlp.up_table.weight.dtype
+            return TableFormat(next((n for n, d in FLOAT_DTYPES.items() if d == dtype), "float32"))
+        return table.stored[layer].format
+
+    def stem_table_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stored rows of `ids` [n] in the table of STEM layer `layer`, per part (`weight`; or
+        `qweight` and `scales` for a compressed table): what `set_stem_table_parts` puts back exactly."""
+        return self._table_of(layer).read_parts(layer, ids.cpu())
+
+    def set_stem_table_parts(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Make `parts` (as `stem_table_parts` gives them) the stored rows of `ids` [n]: a compressed row
+        moves with its scales, unchanged."""
+        self._table_of(layer).set_parts(layer, ids.cpu(), parts)
 
     def set_stem_table_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Make `rows` [n, d_ff] the rows of `ids` [n] in the table of STEM layer `layer` (a persistent
@@ -284,7 +304,7 @@ class _StemDispatch:
         # calibration never saw, from a ridge fit of the table's rows on the embedding's.
         if self.stem_placement is not None:  # checked first: nothing is resized then
             raise StemTablesError(f"resizing the vocabulary rewrites the tables, and these are placed with "
-                                  f"stem_tables={self.stem_tables!r}; load the model with stem_tables='memory'")
+                                  f"stem_tables={self.stem_tables!r}; {self.stem_placement.parameters_advice()}")
         old = self.get_input_embeddings().weight.shape[0]
         embeddings = super().resize_token_embeddings(*args, **kwargs)
         new = embeddings.weight.shape[0]
@@ -298,7 +318,8 @@ class _StemDispatch:
         # Difference from the dense family: placed tables are no parameters, so they would be left out.
         if self.stem_placement is not None:
             raise StemTablesError(f"this model's tables are placed with stem_tables={self.stem_tables!r} and are not "
-                                  f"in its state dict; load it with stem_tables='memory' to save it, or copy its files")
+                                  f"in its state dict; copy its files, or {self.stem_placement.parameters_advice()} "
+                                  f"to save it")
         return super().save_pretrained(*args, **kwargs)
 
 
@@ -316,6 +337,12 @@ class _MemoryRows:
     def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         weight = self.layers[layer].mlp.up_table.weight
         weight[ids.to(weight.device)] = rows.to(weight.device, weight.dtype)
+
+    def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"weight": self.read_rows(layer, ids).cpu()}
+
+    def set_parts(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        self.set_rows(layer, ids, parts["weight"])
 
 
 class StemPreTrainedModel(_StemDispatch, PreTrainedModel):

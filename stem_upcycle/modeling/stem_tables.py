@@ -1,9 +1,9 @@
 """Where a STEM model's tables live at inference, chosen at load time: `from_pretrained(..., stem_tables=...)`.
 
-- "memory": tables are ordinary parameters (`nn.Embedding`), as training needs them.
-- "mmap": tables stay in the safetensors shards (read-only; a memory map where a whole table is
-  wanted); each forward reads the rows of its distinct ids, cast to the compute dtype as they are
-  gathered. Nothing reads a whole table.
+- "memory": tables are ordinary parameters (`nn.Embedding`), as training needs them; compressed
+  tables (int8, fp8, int4: `table_format.py`) are held whole as stored and decoded row by row.
+- "mmap": tables stay in the safetensors shards (read-only); each forward reads the rows of its
+  distinct ids, decoded and cast to the compute dtype as they are gathered. Nothing reads a whole table.
 - "host": for accelerators: tables in host memory (page-locked on CUDA), a row cache on the device
   shared by all STEM layers; a forward copies its missing rows for every layer in one pass, on a
   side stream, so the copy overlaps the layers before the first STEM layer.
@@ -19,7 +19,6 @@ Exported next to the weights, so it imports only torch, transformers and the sta
 
 import json
 import math
-import mmap
 import os
 import struct
 import threading
@@ -30,10 +29,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .table_format import FLOAT_DTYPES, TableFormat
+
 PLACEMENTS = ("memory", "mmap", "host")
 DEFAULT_CACHE_ROWS = 2048  # the official STEM engine's LFU cache size
-# The float codes of shards.DTYPE_CODES: this file is exported next to the weights and imports only torch.
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# The codes of shards.DTYPE_CODES that tables are stored in: this file is exported next to the weights and imports only torch.
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "I8": torch.int8, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
 
 
 class StemTablesError(ValueError):
@@ -252,7 +254,7 @@ def check_ids(ids: torch.Tensor, vocab: int) -> None:
 
 @dataclass(frozen=True)
 class TableFile:
-    """Where one table's bytes are: a safetensors shard and the tensor's byte range in it."""
+    """Where one tensor of a table is: a safetensors shard and the tensor's byte range in it."""
 
     path: str
     offset: int  # from the start of the file
@@ -262,6 +264,29 @@ class TableFile:
     @property
     def nbytes(self) -> int:
         return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape[1] * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StoredTable:
+    """One STEM layer's table as its checkpoint holds it: the format of its rows and, per stored part
+    (`weight` for float rows; `qweight` and `scales` for compressed ones), where that tensor is."""
+
+    format: TableFormat
+    parts: dict  # part name -> TableFile
+    shape: tuple[int, int]  # [vocab, d_ff] of the decoded table
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts.values())
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The dtype rows are read in: a float table's own; float32 for a compressed one."""
+        return torch.float32 if self.format.compressed else self.parts["weight"].dtype
 
 
 def read_header(path: str) -> tuple[dict, int]:
@@ -287,29 +312,43 @@ def read_header(path: str) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape: tuple[int, int]) -> dict[int, TableFile]:
-    """Per STEM layer, its table's file and byte range, checked against `shape` and the file's size
-    (`read_header`: a mapped read past the end of a file is a SIGBUS, never an error message)."""
+def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape: tuple[int, int],
+                  table_format: TableFormat | None = None) -> dict[int, StoredTable]:
+    """Per STEM layer, its table's parts (files and byte ranges), checked against `shape`, the format
+    (`table_format`; None: float rows, as the files say) and the files' sizes (`read_header`: a mapped
+    read past the end of a file is a SIGBUS, never an error message)."""
     headers = {}
     located = {}
-    for layer, name in names.items():
-        path = checkpoint_files.get(name)
-        if path is None:
-            raise StemTablesError(f"the checkpoint has no tensor {name} (layer {layer} is a STEM layer); "
-                                  f"the checkpoint is incomplete: export it again")
-        if not os.path.isfile(path):
-            raise StemTablesError(f"{path} holds {name} but is missing; download or export the checkpoint again")
-        if path not in headers:
-            headers[path] = read_header(path)
-        header, data_start = headers[path]
-        entry = header.get(name)
-        if entry is None or entry.get("dtype") not in SAFETENSORS_DTYPES:
-            raise StemTablesError(f"{path} does not hold {name} as a float tensor; the index and the shard disagree")
-        begin, end = entry["data_offsets"]
-        table = TableFile(path, data_start + begin, tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
-        if table.shape != tuple(shape) or end - begin != table.nbytes:
-            raise StemTablesError(f"{name} in {path} has shape {list(table.shape)}, the config says {list(shape)}")
-        located[layer] = table
+    vocab, d_ff = shape
+    for layer, prefix in names.items():
+        found = table_format or TableFormat("float32")  # a float table's dtype is the file's
+        parts = {}
+        for part, (per_row, dtype) in found.parts(d_ff).items():
+            name = f"{prefix}.{part}"
+            path = checkpoint_files.get(name)
+            if path is None:
+                raise StemTablesError(f"the checkpoint has no tensor {name} (layer {layer} is a STEM layer"
+                                      + (f" with {found.dtype} tables" if found.compressed else "")
+                                      + "); the checkpoint is incomplete: export it again")
+            if not os.path.isfile(path):
+                raise StemTablesError(f"{path} holds {name} but is missing; download or export the checkpoint again")
+            if path not in headers:
+                headers[path] = read_header(path)
+            header, data_start = headers[path]
+            entry = header.get(name)
+            stored = SAFETENSORS_DTYPES.get(entry.get("dtype")) if entry else None
+            if stored != dtype if found.compressed else stored not in FLOAT_DTYPES.values():
+                raise StemTablesError(f"{path} does not hold {name} as {'a float tensor' if not found.compressed else dtype}; "
+                                      f"the index, the shard and config.json disagree: export the checkpoint again")
+            begin, end = entry["data_offsets"]
+            table = TableFile(path, data_start + begin, tuple(entry["shape"]), stored)
+            if table.shape != (vocab, per_row) or end - begin != table.nbytes:
+                raise StemTablesError(f"{name} in {path} has shape {list(table.shape)}, the config says "
+                                      f"{[vocab, per_row]}")
+            parts[part] = table
+        if not found.compressed:
+            found = TableFormat(next(k for k, v in FLOAT_DTYPES.items() if v == parts["weight"].dtype))
+        located[layer] = StoredTable(found, parts, (vocab, d_ff))
     return located
 
 
@@ -353,95 +392,147 @@ class PlacedTable(nn.Module):
     def weight(self):
         raise StemTablesError(
             f"the table of layer {self.layer} is placed with stem_tables={self.placement.name!r}: it is not a "
-            f"parameter and cannot be trained or assigned; load the model with stem_tables='memory' for that"
+            f"parameter and cannot be trained or assigned; {self.placement.parameters_advice()}"
         )
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, stem_tables={self.placement.name!r}"
 
 
-class MmapTables:
+class RowAccess:
+    """What every placement offers over the stored parts of its tables (`read_parts`, `set_parts`):
+    rows decoded from them and rows encoded into them, so that a compressed row is replaced with its
+    scales and read back as every forward reads it."""
+
+    stored: dict  # layer -> StoredTable
+
+    def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """[n, d_ff] rows of `ids` [n] in the table's float dtype (float32 for a compressed table)."""
+        table = self.stored[layer]
+        return table.format.decode(self.read_parts(layer, ids), table.float_dtype)
+
+    def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows of `ids` [n] from now on: `rows` [n, d_ff], stored as the table stores rows."""
+        self.set_parts(layer, ids, self.stored[layer].format.encode(rows.cpu()))
+
+    def parameters_advice(self) -> str:
+        """How to have these tables as parameters, which training, resizing and saving need."""
+        compressed = next((t.format.dtype for t in self.stored.values() if t.format.compressed), None)
+        if compressed is None:
+            return "load the model with stem_tables='memory'"
+        return (f"its tables are stored as {compressed}: decompress them into a new folder "
+                f"(`stem-upcycle compress MODEL OUT --table-dtype float32`) and load that with stem_tables='memory'")
+
+
+class MmapTables(RowAccess):
     """Tables left in the checkpoint's files: each forward reads the rows of its distinct ids.
 
     Rows are read with positioned reads (pread), not by touching a memory map: a fault on a mapped
     file maps the whole page-cache folio around the row (up to 2 MB; measured 1.3 MB of RSS per
     random SmolLM2 row on kernel 6.18, where MADV_RANDOM does not help), so a 512-token prefill
-    would map most of every table. A read copies the row alone: RSS grows by the rows gathered,
-    and repeated rows come from the page cache. The whole table is still available as a read-only
-    memory map (`table`), for code that wants to scan it.
+    would map most of every table. A read copies the row alone (a compressed row: its values and
+    its scales): RSS grows by the rows gathered, and repeated rows come from the page cache.
 
     The files are never written: rows set on a loaded model (`set_rows`, a knowledge edit) are kept
-    in memory and shadow the files' rows in every read but the whole-table maps.
+    in memory and shadow the files' rows in every read.
     """
 
     name = "mmap"
 
-    def __init__(self, files: dict[int, TableFile]):
-        self.files = files
+    def __init__(self, stored: dict[int, StoredTable]):
+        self.stored = stored
         self._fds = {}
-        for table in files.values():
-            if table.path not in self._fds:
-                self._fds[table.path] = fd = os.open(table.path, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
-                weakref.finalize(self, os.close, fd)
-        self._maps = {}
-        self.overlay = {}  # layer -> {id: row set on the loaded model}
+        for table in stored.values():
+            for part in table.parts.values():
+                if part.path not in self._fds:
+                    self._fds[part.path] = fd = os.open(part.path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
+                    weakref.finalize(self, os.close, fd)
+        self.overlay = {}  # layer -> {id: {part: row} set on the loaded model}
 
-    def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """[n, d_ff] rows of the ids `ids` [n], in the table's dtype, read from the file."""
-        table = self.files[layer]
+    def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per part, [n, ...] the stored rows of the ids `ids` [n], read from the files."""
+        table = self.stored[layer]
         check_ids(ids, table.shape[0])  # a read past a table would return another tensor's bytes
-        row_bytes = table.nbytes // table.shape[0]
-        rows = torch.empty(ids.numel(), table.shape[1], dtype=table.dtype)
-        buffer = memoryview(rows.view(torch.uint8).numpy()).cast("B")
-        fd = self._fds[table.path]
         overlay = self.overlay.get(layer, {})
-        for i, token in enumerate(ids.tolist()):
-            if token in overlay:
-                rows[i] = overlay[token]
-            else:
-                os.preadv(fd, [buffer[i * row_bytes:(i + 1) * row_bytes]], table.offset + token * row_bytes)
-        return rows
+        tokens = ids.tolist()
+        parts = {}
+        for name, where in table.parts.items():
+            rows = torch.empty(len(tokens), where.shape[1], dtype=where.dtype)
+            buffer = memoryview(rows.view(torch.uint8).numpy()).cast("B")
+            fd, size = self._fds[where.path], where.row_bytes
+            for i, token in enumerate(tokens):
+                if token in overlay:
+                    rows[i] = overlay[token][name]
+                else:
+                    os.preadv(fd, [buffer[i * size:(i + 1) * size]], where.offset + token * size)
+            parts[name] = rows
+        return parts
 
     def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
-        """[stop - start, d_ff] rows start..stop-1 in one positioned read (nothing is mapped)."""
-        table = self.files[layer]
+        """[stop - start, d_ff] rows start..stop-1, decoded, in one positioned read per part (nothing is mapped)."""
+        table = self.stored[layer]
         if not 0 <= start <= stop <= table.shape[0]:
             raise ValueError(f"rows {start}..{stop - 1} lie outside the table's {table.shape[0]} rows")
-        row_bytes = table.nbytes // table.shape[0]
-        rows = torch.empty(stop - start, table.shape[1], dtype=table.dtype)
-        os.preadv(self._fds[table.path], [memoryview(rows.view(torch.uint8).numpy()).cast("B")],
-                  table.offset + start * row_bytes)
-        for token, row in self.overlay.get(layer, {}).items():
-            if start <= token < stop:
-                rows[token - start] = row
-        return rows
+        parts = {}
+        for name, where in table.parts.items():
+            rows = parts[name] = torch.empty(stop - start, where.shape[1], dtype=where.dtype)
+            os.preadv(self._fds[where.path], [memoryview(rows.view(torch.uint8).numpy()).cast("B")],
+                      where.offset + start * where.row_bytes)
+            for token, row in self.overlay.get(layer, {}).items():
+                if start <= token < stop:
+                    rows[token - start] = row[name]
+        return table.format.decode(parts, table.float_dtype)
 
-    def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Rows of `ids` [n] from now on: `rows` [n, d_ff], held in memory (the files stay as they are)."""
+    def set_parts(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Stored rows of `ids` [n] from now on, held in memory (the files stay as they are)."""
         overlay = self.overlay.setdefault(layer, {})
-        for token, row in zip(ids.tolist(), rows.to("cpu", self.files[layer].dtype)):
-            overlay[token] = row.clone()
+        for i, token in enumerate(ids.tolist()):
+            overlay[token] = {name: rows[i].clone() for name, rows in parts.items()}
 
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         unique, inverse = forward.unique()
-        rows = self.read_rows(layer, unique).to(dtype)  # [n_distinct, d_ff]
+        rows = self.stored[layer].format.decode(self.read_parts(layer, unique), dtype)  # [n_distinct, d_ff]
         return rows[inverse].to(device, non_blocking=True)  # [batch, seq, d_ff]
-
-    @property
-    def tables(self) -> dict[int, torch.Tensor]:
-        """Per layer, the whole table [vocab, d_ff] as a read-only memory map of its file."""
-        views = {}
-        for layer, table in self.files.items():
-            if table.path not in self._maps:
-                with open(table.path, "rb") as f:  # a private mapping: a write never reaches the file
-                    self._maps[table.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            raw = torch.frombuffer(self._maps[table.path], dtype=torch.uint8, count=table.nbytes, offset=table.offset)
-            views[layer] = raw.view(table.dtype).view(table.shape)
-        return views
 
     def begin(self, forward: ForwardIds) -> None:
         pass
+
+    def end(self, forward: ForwardIds) -> None:
+        pass
+
+
+class CompressedMemoryTables(RowAccess):
+    """`memory` for compressed tables: their stored parts held whole, where the STEM MLPs' weights are
+    (they follow the weights to a device at the next forward). Each forward gathers its ids' parts and
+    decodes those rows alone. Float tables in memory are parameters instead (`MemoryTable`), which
+    training needs; compressed ones are not trained (see `train`)."""
+
+    name = "memory"
+
+    def __init__(self, stored: dict[int, StoredTable]):
+        self.stored = stored
+        self.tables = {layer: {name: _read_whole(where) for name, where in table.parts.items()}
+                       for layer, table in stored.items()}
+        self.mlps = {}  # layer -> its StemMLP (set by the model)
+
+    def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: part[ids.to(part.device)].cpu() for name, part in self.tables[layer].items()}
+
+    def set_parts(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        for name, part in self.tables[layer].items():
+            part[ids.to(part.device)] = parts[name].to(part.device)
+
+    def begin(self, forward: ForwardIds) -> None:
+        for layer, mlp in self.mlps.items():
+            device = _home(mlp)[0]
+            self.tables[layer] = {name: part.to(device) for name, part in self.tables[layer].items()}
+
+    def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        parts = self.tables[layer]
+        ids = forward.on(next(iter(parts.values())).device)  # [*lookup]
+        rows = self.stored[layer].format.decode({name: part[ids.flatten()] for name, part in parts.items()}, dtype)
+        return rows.view(*ids.shape, -1).to(device, non_blocking=True)  # [*lookup, d_ff]
 
     def end(self, forward: ForwardIds) -> None:
         pass
@@ -452,9 +543,10 @@ def accelerator_available() -> bool:
     return accelerator.is_available() if accelerator else torch.cuda.is_available()
 
 
-class HostTables:
+class HostTables(RowAccess):
     """Tables in host memory; on the device, a row cache shared by every STEM layer (one slot holds a
-    token's rows for all layers), least-frequently-used rows evicted first.
+    token's rows for all layers), least-frequently-used rows evicted first. A compressed table's rows
+    are copied and cached as stored (values and scales: fewer bytes per row) and decoded as gathered.
 
     Per forward (`begin`, from the base model's pre-hook): the distinct ids are looked up in the
     cache; the missing ones take the slots of the least used rows that neither this forward nor
@@ -465,16 +557,18 @@ class HostTables:
 
     name = "host"
 
-    def __init__(self, files: dict[int, TableFile], cache_rows: int):
-        self.tables = {layer: _read_into_host_memory(table) for layer, table in files.items()}
+    def __init__(self, stored: dict[int, StoredTable], cache_rows: int):
+        self.stored = stored
+        self.tables = {layer: {name: _read_whole(where, pin=True) for name, where in table.parts.items()}
+                       for layer, table in stored.items()}
         self.mlps = {}  # layer -> its StemMLP, whose weights say device and dtype (set by the model)
-        vocab = next(iter(files.values())).shape[0]
+        vocab = next(iter(stored.values())).shape[0]
         self.capacity = int(cache_rows)
         self.slot_of = torch.full((vocab,), -1, dtype=torch.long)  # id -> slot; -1: not cached
         self.owner = torch.full((self.capacity,), -1, dtype=torch.long)  # slot -> id; -1: free
         self.uses = torch.zeros(vocab, dtype=torch.long)  # per id: forwards that needed it (LFU)
         self.leases = torch.zeros(self.capacity, dtype=torch.long)  # per slot: running forwards reading it
-        self.cache = {}  # layer -> [capacity, d_ff] on the layer's device, in its dtype
+        self.cache = {}  # layer -> {part: [capacity, ...]} on the layer's device (float rows in its dtype)
         self.stats = {"hits": 0, "misses": 0, "staged": 0}  # distinct ids per forward
         self._lock = threading.RLock()
         self._streams = {}  # device -> side stream of the copies
@@ -489,14 +583,15 @@ class HostTables:
             self.slot_of[self.owner[slots]] = -1
             self.owner[slots] = -1
 
-    def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """[n, d_ff] rows of `ids` [n] from host memory, in the table's dtype."""
-        return self.tables[layer][ids.cpu()]
+    def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per part, the stored rows of `ids` [n] in host memory."""
+        return {name: part[ids.cpu()] for name, part in self.tables[layer].items()}
 
-    def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write rows of a host table; the cache forgets them."""
+    def set_parts(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Write stored rows of a host table; the cache forgets them."""
         with self._lock:
-            self.tables[layer][ids.cpu()] = rows.to("cpu", self.tables[layer].dtype)
+            for name, part in self.tables[layer].items():
+                part[ids.cpu()] = parts[name].cpu()
             self.invalidate(ids)
 
     def begin(self, forward: ForwardIds) -> None:
@@ -533,13 +628,15 @@ class HostTables:
         return {d: pinned.to(d, non_blocking=True) for d in devices}
 
     def _follow_weights(self, mlps) -> None:
-        """(Re)allocate the cache where the STEM MLPs' weights are, in their dtype (after `.to()`)."""
+        """(Re)allocate the cache where the STEM MLPs' weights are, float rows in their dtype (after `.to()`)."""
         for layer, mlp in mlps.items():
             device, dtype = _home(mlp)
+            wanted = {name: (part.shape[1], _cached_dtype(name, part, dtype)) for name, part in self.tables[layer].items()}
             cache = self.cache.get(layer)
-            if cache is None or cache.device != device or cache.dtype != dtype:
+            if cache is None or any(c.device != device or (c.shape[1], c.dtype) != wanted[n] for n, c in cache.items()):
                 self.invalidate()
-                self.cache[layer] = torch.empty(self.capacity, self.tables[layer].shape[1], device=device, dtype=dtype)
+                self.cache[layer] = {name: torch.empty(self.capacity, width, device=device, dtype=kind)
+                                     for name, (width, kind) in wanted.items()}
 
     def _admit(self, unique: torch.Tensor) -> torch.Tensor | None:
         """Slots for `unique` (sorted ids): cached ones where they are, missing ones in the slots of the
@@ -565,19 +662,21 @@ class HostTables:
         staged, events = {}, {}
         for layer, mlp in mlps.items():
             device, dtype = _home(mlp)
-            rows = self.tables[layer].index_select(0, ids)  # [n, d_ff] in host memory
             stream = self._side_stream(device)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 if stream is not None:
-                    rows = rows.pin_memory()  # a few rows: asynchronous copies need page-locked memory
                     for reads in self._last_reads.values():  # slots that earlier forwards may still read
                         if device in reads:
                             stream.wait_event(reads[device])
-                moved = rows.to(device, dtype, non_blocking=True)
-                if slots is None:
-                    staged[layer] = moved
-                else:
-                    self.cache[layer].index_copy_(0, slots.to(device, non_blocking=True), moved)
+                for name, part in self.tables[layer].items():
+                    rows = part.index_select(0, ids)  # [n, ...] in host memory
+                    if stream is not None:
+                        rows = rows.pin_memory()  # a few rows: asynchronous copies need page-locked memory
+                    moved = rows.to(device, _cached_dtype(name, part, dtype), non_blocking=True)
+                    if slots is None:
+                        staged.setdefault(layer, {})[name] = moved
+                    else:
+                        self.cache[layer][name].index_copy_(0, slots.to(device, non_blocking=True), moved)
                 if stream is not None:
                     events[device] = stream.record_event()
         return staged, events
@@ -591,14 +690,17 @@ class HostTables:
 
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         plan = forward.plan
-        bank = plan["staged"][layer] if "staged" in plan else self.cache[layer]  # [rows, d_ff]
-        if bank.device in plan["events"]:  # the copies on the side stream come first
-            torch.cuda.current_stream(bank.device).wait_event(plan["events"][bank.device])
+        bank = plan["staged"][layer] if "staged" in plan else self.cache[layer]  # {part: [rows, ...]}
+        home = next(iter(bank.values())).device
+        if home in plan["events"]:  # the copies on the side stream come first
+            torch.cuda.current_stream(home).wait_event(plan["events"][home])
             if "staged" in plan:
-                bank.record_stream(torch.cuda.current_stream(bank.device))  # made on the side stream, read here
-        index = plan["index"][bank.device]  # [batch, seq]
+                for part in bank.values():  # made on the side stream, read here
+                    part.record_stream(torch.cuda.current_stream(home))
+        index = plan["index"][home]  # [batch, seq]
+        rows = self.stored[layer].format.decode({name: part[index.flatten()] for name, part in bank.items()}, dtype)
         # `device` differs from the bank's only for a layer offloaded by accelerate (weights kept on the CPU)
-        return bank[index].to(device, dtype, non_blocking=True)  # [batch, seq, d_ff]
+        return rows.view(*index.shape, -1).to(device, non_blocking=True)  # [batch, seq, d_ff]
 
     def end(self, forward: ForwardIds) -> None:
         with self._lock:
@@ -621,8 +723,14 @@ def _home(mlp) -> tuple[torch.device, torch.dtype]:
     return (torch.device("cpu") if weight.device.type == "meta" else weight.device), weight.dtype
 
 
-def _read_into_host_memory(table: TableFile) -> torch.Tensor:
-    """The table read from its file into host memory, page-locked where CUDA is available.
+def _cached_dtype(name: str, part: torch.Tensor, compute: torch.dtype) -> torch.dtype:
+    """What a device cache holds a stored part in: float rows (`weight`) in the compute dtype, the
+    parts of compressed rows as stored."""
+    return compute if name == "weight" else part.dtype
+
+
+def _read_whole(table: TableFile, pin: bool = False) -> torch.Tensor:
+    """The tensor read from its file into host memory; with `pin`, page-locked where CUDA is available.
 
     Page-locked by registering the memory with CUDA rather than by `pin_memory()`, whose allocator
     rounds a block up to a power of two (GBs wasted on a 2.1 GB table), as vLLM and SGLang do."""
@@ -636,7 +744,7 @@ def _read_into_host_memory(table: TableFile) -> torch.Tensor:
             if not n:
                 raise StemTablesError(f"{table.path} ended while reading a table; download or export it again")
             done += n
-    if torch.cuda.is_available():
+    if pin and torch.cuda.is_available():
         cudart = torch.cuda.cudart()
         if cudart.cudaHostRegister(tensor.data_ptr(), table.nbytes, 0) == 0:
             weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
@@ -645,35 +753,42 @@ def _read_into_host_memory(table: TableFile) -> torch.Tensor:
 
 def open_tables(path, config, hub_kwargs: dict):
     """The placement of `config.stem_tables` for the checkpoint at `path` (a directory or a hub id
-    already downloaded), its table files checked; None for `memory`."""
+    already downloaded), its table files checked; None for float tables in `memory` (parameters)."""
     requested = config.stem_tables or "auto"
     if requested not in (*PLACEMENTS, "auto"):
         raise StemTablesError(f"stem_tables={requested!r} is not a placement; use one of {', '.join(PLACEMENTS)}")
-    if requested == "memory" or not config.stem_layers:
+    table_format = TableFormat.from_config(config)
+    if not config.stem_layers or (requested == "memory" and table_format is None):
         return None
     files = checkpoint_files(path, hub_kwargs)
     if files is None:
-        if requested == "auto":  # e.g. a .bin checkpoint: nothing to map
+        if requested == "auto" and table_format is None:  # e.g. a .bin checkpoint: nothing to map
             return None
         raise StemTablesError(f"stem_tables={requested!r} reads tables from safetensors files, and {path} has none; "
-                              f"load it with stem_tables='memory'")
-    tables = locate_tables(files, table_names(files, config.stem_layers), (config.vocab_size, config.intermediate_size))
+                              f"load it with stem_tables='memory'" if table_format is None else
+                              f"{path} has no safetensors files, where its {table_format.dtype} tables should be; "
+                              f"download or export it again")
+    tables = locate_tables(files, table_names(files, config.stem_layers), (config.vocab_size, config.intermediate_size),
+                           table_format)
     return open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
 
 
 def table_names(files: dict[str, str], layers) -> dict[int, str]:
-    """Per STEM layer, the name of its table among a checkpoint's tensors (whatever the base model's prefix)."""
+    """Per STEM layer, the name of its table among a checkpoint's tensors, without the part (whatever
+    the base model's prefix): `model.layers.L.mlp.up_table`."""
     names = {}
     for layer in layers:
-        suffix = f"layers.{layer}.mlp.up_table.weight"
-        names[layer] = next((n for n in files if n.endswith(suffix)), f"model.{suffix}")
+        suffix = f"layers.{layer}.mlp.up_table."
+        names[layer] = next((n.rpartition(".")[0] for n in files if suffix in n), f"model.{suffix[:-1]}")
     return names
 
 
-def open_placement(name: str, files: dict[int, TableFile], cache_rows: int):
+def open_placement(name: str, stored: dict[int, StoredTable], cache_rows: int):
     if name == "mmap":
-        return MmapTables(files)
+        return MmapTables(stored)
+    if name == "memory":  # compressed tables (float ones in memory are parameters)
+        return CompressedMemoryTables(stored)
     if not accelerator_available():
         raise StemTablesError("stem_tables='host' keeps tables in host memory for an accelerator, and this machine "
                               "has none; use stem_tables='mmap' on a CPU")
-    return HostTables(files, cache_rows)
+    return HostTables(stored, cache_rows)

@@ -55,7 +55,13 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
     reduced), then the main process writes the checkpoint."""
     m = recipe.model
     if m.init_from:
-        return Path(open_source(m.init_from).directory or m.init_from), None
+        start = open_source(m.init_from)
+        stored = getattr(start.config, "stem_table_format", None)
+        if stored:  # rows trained in place would need an fp32 master per table, and be re-quantised at export anyway
+            raise RecipeError(f"model.init_from {m.init_from} stores its tables as {stored['dtype']}, and training "
+                              f"updates float rows: decompress it (`stem-upcycle compress {m.init_from} OUT "
+                              f"--table-dtype float32`), train OUT, then compress the result")
+        return Path(start.directory or m.init_from), None
     init_dir = output / "init"
     from ..calibrate import calibrated_ids, calibration_windows
     from ..convert import plan_conversion, run_conversion

@@ -1,0 +1,144 @@
+"""Store the tables of an existing STEM model in another format: compress them (int8, float8, int4 with
+per-block scales, `modeling/table_format.py`) or decompress them (float32, bfloat16, float16).
+
+Out of core, like `convert`: the dense tensors are copied one at a time, each table is read in chunks
+of rows (decoded from its format), encoded and written as it goes; the new model is written beside OUT
+and moved into place only when complete. The exported modeling code is refreshed, since older copies
+cannot read compressed tables.
+"""
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .convert import (COMPUTE_DTYPE, CHUNK_BYTES, MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table,
+                      check_output, parse_shard_size, resolve_table_format, tensor_order_key, write_tensors, move_into_place)
+from .families import STEM_TABLE_PREFIX, layer_name
+from .loading import stem_tables
+from .modeling.table_format import TableFormat
+from .shards import INDEX_NAME, TensorSpec, plan_shards, staging_dir
+from .source import Source
+
+
+@dataclass
+class CompressionPlan:
+    source: Source
+    old: dict  # layer -> the table's current TableFormat
+    new: TableFormat
+    specs: list[TensorSpec]
+    producers: dict  # output name -> Copy | Table
+    shards: list
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def table_bytes(self) -> tuple[int, int]:
+        """(bytes of the tables now, bytes of them in the new format)."""
+        now = sum(self.source.tensors.nbytes(n) for n in self.source.tensors.names() if _table_layer(n) is not None)
+        return now, sum(s.nbytes for s in self.specs if isinstance(self.producers[s.name], Table))
+
+    def describe(self) -> str:
+        cfg = self.source.config
+        before, after = self.table_bytes()
+        olds = sorted({f.describe() for f in self.old.values()})
+        return "\n".join([
+            f"model      {self.source.spec} ({len(self.old)} STEM tables of [{cfg.vocab_size}, {cfg.intermediate_size}])",
+            f"tables     {' / '.join(olds)} -> {self.new.describe()}",
+            f"table bytes {_size(before)} -> {_size(after)} ({after / before:.3f}x)",
+            f"output     {_size(self.total_bytes)} in {len(self.shards)} shard(s) (the model now: "
+            f"{_size(self.source.files_bytes)})",
+        ])
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:.3f} GB" if count >= 1e9 else f"{count / 1e6:.3f} MB"
+
+
+def _table_layer(name: str) -> int | None:
+    """The layer of a table tensor (any part), else None."""
+    head, found, _ = name.partition("." + STEM_TABLE_PREFIX + ".")
+    return int(head.rsplit(".", 1)[1]) if found and head.rsplit(".", 1)[1].isdigit() else None
+
+
+def plan_compression(source: Source, table_dtype: str, block_size: int | None = None,
+                     max_shard_size: str | int = "5GB") -> CompressionPlan:
+    cfg = source.config
+    if getattr(cfg, "model_type", None) != "stem" or not getattr(cfg, "stem_layers", None):
+        raise ConversionError(f"{source.spec} is not a STEM model; convert it first (`stem-upcycle convert`), with "
+                              f"--table-dtype to store its tables compressed")
+    if getattr(cfg, "stem_edits", None):
+        raise ConversionError(f"{source.spec} carries knowledge edits, whose undo records hold rows in the tables' "
+                              f"current format; undo them first (`stem-upcycle edit {source.spec} --undo OUT`)")
+    new = resolve_table_format(table_dtype, block_size, cfg.intermediate_size)
+    placed = stem_tables(source)
+    old = {layer: table.format for layer, table in placed.stored.items()}
+    if all(f == new for f in old.values()):
+        raise ConversionError(f"the tables of {source.spec} are already {new.describe()}; nothing to do")
+    tensors, vocab = source.tensors, cfg.vocab_size
+    specs, producers, written = [], {}, set()
+    for name in sorted(tensors.names(), key=tensor_order_key):
+        layer = _table_layer(name)
+        if layer is None:
+            specs.append(TensorSpec(name, tuple(tensors.shape(name)), tensors.dtype(name)))
+            producers[name] = Copy(name)
+        elif layer not in written:  # the new table's parts where its first part was
+            written.add(layer)
+            for part, (width, dtype) in new.parts(cfg.intermediate_size).items():
+                out = layer_name(layer, f"{STEM_TABLE_PREFIX}.{part}")
+                specs.append(TensorSpec(out, (vocab, width), dtype))
+                producers[out] = Table(layer, part)
+    return CompressionPlan(source, old, new, specs, producers, plan_shards(specs, parse_shard_size(max_shard_size)))
+
+
+def run_compression(plan: CompressionPlan, out: Path, overwrite: bool = False, progress: bool = True,
+                    command: str = "") -> Path:
+    """Write the model with its tables in the new format to OUT; nothing appears at OUT unless complete."""
+    out = Path(out)
+    check_output(out, overwrite, plan.source, plan.total_bytes)
+    if any(f.compressed for f in plan.old.values()) and plan.new.compressed:
+        print(f"note: the tables are compressed already; re-encoding them as {plan.new.dtype} adds its error to "
+              f"theirs: compress the float model for the best rows", file=sys.stderr)
+    placed = stem_tables(plan.source)
+    d_ff = plan.source.config.intermediate_size
+
+    def table_rows(layer):
+        def fill(start, stop, chunk):
+            chunk.copy_(placed.read_range(layer, start, stop))
+        return fill
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(out.parent, f".{out.name}")
+    try:
+        write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, table_rows, plan.new, d_ff,
+                      max(1, CHUNK_BYTES // (d_ff * COMPUTE_DTYPE.itemsize)), staging, progress)
+        _write_side_files(plan, staging, command)
+        move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_side_files(plan: CompressionPlan, directory: Path, command: str) -> None:
+    """The model's other files as they are, with config.json naming the new format, the current modeling
+    code, and a line in the model card."""
+    folder = plan.source.directory
+    for path in folder.iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_NAME:
+            shutil.copyfile(path, directory / path.name)
+    for name in MODELING_FILES:
+        shutil.copyfile(MODELING_DIR / name, directory / name)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("stem_table_format", None)
+    if plan.new.compressed:
+        config["stem_table_format"] = plan.new.to_config()
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    card = directory / "README.md"
+    text = card.read_text(encoding="utf-8") if card.exists() else ""
+    before, after = plan.table_bytes()
+    text += (f"\n## Table format\n\nThe tables are stored as {plan.new.describe()} ({after / 1e9:.2f} GB, "
+             f"{after / before:.3f}x of before), made with `{command or 'stem_upcycle.compress'}`.\n")
+    card.write_text(text, encoding="utf-8")
