@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 from .families import EMBEDDING, STEM_TABLE_PREFIX, STEM_UP, family_for, layer_name
 from .modeling.stem_tables import DEFAULT_CACHE_ROWS
+from .modeling.table_format import TableFormat
 from .source import Source
 
 
@@ -23,6 +24,7 @@ class Summary:
     ffn_flops_per_token: int  # this checkpoint
     bytes_on_disk: int
     placements: dict  # STEM only: placement -> {"device": bytes, "host": bytes} of weights, as stored
+    table_format: str  # STEM only: how the tables store rows (a float dtype, or compressed with its block size)
     edits: list  # knowledge edits recorded by `stem-upcycle edit` (config.json `stem_edits`)
 
     def as_dict(self) -> dict:
@@ -40,6 +42,8 @@ class Summary:
             ("FFN FLOPs/token", f"{self.ffn_flops_per_token / 1e6:,.1f} M vs {self.ffn_flops_per_token_dense / 1e6:,.1f} M dense ({ratio:.2f}x)"),
             ("on disk", f"{self.bytes_on_disk / 1e9:.2f} GB of weights"),
         ]
+        if self.is_stem:
+            rows.insert(3, ("tables", self.table_format))
         lines = [f"{k:<16} {v}" for k, v in rows]
         if self.placements:
             lines.append("memory by placement (weights as stored, without activations and KV cache; the device is "
@@ -54,7 +58,7 @@ class Summary:
 
 
 PLACEMENT_NOTES = {
-    "memory": "(tables are parameters, on the device with the rest)",
+    "memory": "(tables are parameters, or compressed rows as stored, on the device with the rest)",
     "mmap": "(tables stay in the files; a forward reads its tokens' rows, and the OS caches what it may)",
     "host": f"(tables in page-locked RAM; the device holds the dense weights and {DEFAULT_CACHE_ROWS} cached rows)",
 }
@@ -108,5 +112,13 @@ def summarize(source: Source) -> Summary:
         ffn_flops_per_token=flops,
         bytes_on_disk=source.files_bytes,
         placements=placement_memory(dense_bytes, table_bytes, row_bytes) if is_stem else {},
+        table_format=_table_format(cfg, tensors, tables) if is_stem else "",
         edits=list(getattr(cfg, "stem_edits", None) or []),
     )
+
+
+def _table_format(config, tensors, tables: list[str]) -> str:
+    compressed = TableFormat.from_config(config)
+    if compressed is not None:
+        return compressed.describe()
+    return str(tensors.dtype(tables[0])).removeprefix("torch.") if tables else "none stored"

@@ -236,6 +236,8 @@ def test_a_persistent_edit_moves_compressed_rows_with_their_scales_and_undo_rest
 
 def test_inspect_reads_compressed_tables(compressed):
     out = compressed("int8")
+    result = run("inspect", out)
+    assert result.exit_code == 0 and "tables           int8 with a float16 scale per 16 elements" in result.output
     result = run("inspect", out, "--tables", "--sample", "32")
     assert result.exit_code == 0, result.output
     result = run("inspect", out, "--nearest", "w5", "--layer", "0")

@@ -64,6 +64,38 @@ def test_offline_batched_greedy_text_equals_transformers(converted, tables):
     assert got == expected
 
 
+@pytest.fixture(scope="module")
+def compressed(converted):
+    """The converted model with int8 tables (`stem-upcycle compress`), and Transformers' greedy continuations."""
+    from transformers import AutoModelForCausalLM
+
+    from stem_upcycle.cli import main
+
+    path, _, tokenizer = converted
+    out = path.parent / "int8"
+    result = CliRunner().invoke(main, ["compress", str(path), str(out), "--table-dtype", "int8", "--quiet"])
+    assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    expected = {}
+    for prompt in PROMPTS:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        expected[prompt] = ids[0, inputs["input_ids"].shape[1]:].tolist()
+    return out, expected
+
+
+@pytest.mark.parametrize("tables", [None, "memory"])
+def test_compressed_tables_serve_the_greedy_text_of_transformers(compressed, tables):
+    path, expected = compressed
+    command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *PROMPTS,
+               "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512", *(["--tables", tables] if tables else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=ENV)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    got = {r["prompt"]: r["token_ids"] for r in map(json.loads, filter(lambda l: l.startswith("{"),
+                                                                        result.stdout.splitlines()))}
+    assert got == expected
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
