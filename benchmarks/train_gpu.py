@@ -1,7 +1,7 @@
 """Recovery training on one GPU: STEM (a third of the layers) against the dense model fine-tuned alike.
 
 UNTESTED ON A GPU: no task that prepared it had one. What would check it: the two steps below on an
-H200, with the figures put in the README. `--smoke` runs the same code path on a CPU (tested).
+H200, with the figures put in benchmarks/README.md. `--smoke` runs the same code path on a CPU (tested).
 
 The real SmolLM2-135M-Instruct, the CPU recipe's data and losses (recipes/smollm2-135m-cpu.yaml:
 plays + text sampled from SmolLM2 itself, KL + cross-entropy, four held-out sets), scaled up in
