@@ -138,16 +138,16 @@ def _nonzero(scales: torch.Tensor) -> torch.Tensor:
 def _clipped_int4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values in -8..7, float16-exact scales) per block, each block clipped where its error is least."""
     amax = blocks.abs().amax(-1)  # [n, blocks]
-    best_values, best_scales, best_error = None, None, None
-    for clip in INT4_CLIP:
+    best_scales, best_error = None, None
+    for clip in INT4_CLIP:  # only the scales and errors are kept per candidate: the values are made once, at the end
         scales = _scales(amax * clip, 7.0)
-        values = (blocks / _nonzero(scales)[..., None]).round().clamp(-8, 7)
-        error = (values * scales[..., None] - blocks).pow(2).sum(-1)  # [n, blocks]
+        error = ((blocks / _nonzero(scales)[..., None]).round_().clamp_(-8, 7).mul_(scales[..., None]).sub_(blocks)
+                 .square_().sum(-1))  # [n, blocks]
         if best_error is None:
-            best_values, best_scales, best_error = values, scales, error
+            best_scales, best_error = scales, error
         else:
             better = error < best_error
-            best_values = torch.where(better[..., None], values, best_values)
             best_scales = torch.where(better, scales, best_scales)
             best_error = torch.minimum(error, best_error)
-    return best_values.to(torch.int8), best_scales
+    values = (blocks / _nonzero(best_scales)[..., None]).round_().clamp_(-8, 7)
+    return values.to(torch.int8), best_scales
