@@ -95,11 +95,12 @@ def quality(paths: dict[str, Path], eval_tokens: int) -> dict[str, dict]:
     return results
 
 
-def speed(paths: dict[str, Path], ids_file: Path, repeats: int) -> dict[str, dict]:
+def speed(paths: dict[str, Path], ids_file: Path, repeats: int, placements: list[str]) -> dict[str, dict]:
     """Per format and placement: the median over `repeats` fresh processes of each figure."""
     results = {}
     for name, path in paths.items():
-        for placement, cold in (("mmap", True), ("memory", False)):
+        for placement in placements:
+            cold = placement == "mmap"  # mmap reads the files cold; memory reads them whole either way
             runs = [measure({"path": str(path), "placement": placement, "dtype": "float32", "cold": cold,
                              "ids": str(ids_file)}) for _ in range(repeats)]
             runs = [r for r in runs if "error" not in r] or runs[:1]
@@ -110,16 +111,17 @@ def speed(paths: dict[str, Path], ids_file: Path, repeats: int) -> dict[str, dic
 
 
 def prompt(path: Path, ids_file: Path) -> None:
-    """512 ids of real text (the plays) by the model's tokenizer, saved for the speed settings."""
+    """512 ids of real text (the plays) by the model's tokenizer, saved for the speed settings; random ids in
+    100..19999 for a model without a tokenizer (the Llama-shaped one)."""
+    from stem_upcycle.errors import UserError
     from stem_upcycle.evaluate import read_token_ids
     from stem_upcycle.loading import load_tokenizer
     from stem_upcycle.source import open_source
 
-    text = SETS["plays"] if Path(SETS["plays"][0]).exists() else None
-    if text:
-        ids = read_token_ids(text, load_tokenizer(open_source(str(path))), 512)[:512]
-    else:
-        ids = torch.randint(100, 20000, (512,))
+    try:
+        ids = read_token_ids(SETS["plays"], load_tokenizer(open_source(str(path))), 512)[:512]
+    except (UserError, OSError):
+        ids = torch.randint(100, 20000, (512,), generator=torch.Generator().manual_seed(0))
     torch.save(ids, ids_file)
 
 
@@ -157,7 +159,7 @@ def report(paths, bytes_of, scores, timings) -> str:
             q = scores[name]
             cells += [f"{q[s]:.4f}" for s in sets] + [f"{q['kl']:.5f}", f"{q['top1']:.4f}", str(q["facts"])]
         if timings:
-            m, r = timings[(name, "mmap")], timings[(name, "memory")]
+            m, r = timings[(name, "mmap")], timings.get((name, "memory"), {})
             cells += [f"{m.get('load_s', float('nan')):.2f}", f"{m.get('prefill_first', 0):.0f}",
                       f"{m.get('prefill_warm', 0):.0f}", f"{m.get('decode_warm', 0):.1f}", f"{m.get('peak_mb', 0)}",
                       f"{r.get('load_s', float('nan')):.2f}", f"{r.get('peak_mb', 0)}"]
@@ -178,6 +180,7 @@ def main():
     parser.add_argument("--eval-tokens", type=int, default=4096, help="per held-out set")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated; bfloat16 is always measured")
+    parser.add_argument("--placements", default="mmap,memory", help="comma-separated, of mmap and memory")
     args = parser.parse_args()
     if not args.model and not args.llama_layers:
         parser.error("give MODEL or --llama-layers")
@@ -197,7 +200,7 @@ def main():
     if "speed" not in args.skip:
         ids_file = work / name / "prompt.pt"
         prompt(model, ids_file)
-        timings = speed(paths, ids_file, args.repeats)
+        timings = speed(paths, ids_file, args.repeats, args.placements.split(","))
     print(f"\n### {name}\n")
     print(report(paths, bytes_of, scores, timings))
 

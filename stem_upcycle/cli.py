@@ -16,6 +16,10 @@ from .layers import DEFAULT_LAYERS
 from .modeling.stem_tables import PLACEMENTS, StemTablesError
 from .modeling.table_format import COMPRESSED, TABLE_DTYPES
 
+# `compress`'s default: the smallest format within its target on every held-out set (int4: perplexity within 2%
+# of bf16 tables; measured 0.9-1.9% on the recovered SmolLM2, benchmarks/README.md#table_formatspy).
+DEFAULT_COMPRESSED = "int4"
+
 
 def _given_options() -> dict[str, str]:
     """The current command's parameters given on the command line (not left at their defaults): name -> flag."""
@@ -46,8 +50,8 @@ TABLE_BLOCK = click.option("--table-block", type=click.IntRange(min=2), default=
                            help=f"Elements that share one scale in a compressed table (default: {_BLOCKS}).")
 
 
-def table_dtype_option(default_help: str, required: bool = False):
-    return click.option("--table-dtype", type=click.Choice(TABLE_DTYPES), default=None, required=required,
+def table_dtype_option(default: str | None, default_help: str):
+    return click.option("--table-dtype", type=click.Choice(TABLE_DTYPES), default=default, show_default=bool(default),
                         help="How the tables' rows are stored: a float dtype, or compressed (int8, float8 e4m3, int4) "
                              f"with a float16 scale per block of elements. {default_help}")
 
@@ -80,7 +84,7 @@ def main():
               help="Where the dense model reads the calibration text (fp32): auto (the GPU if there is one), cpu, cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
-@table_dtype_option("Default: --dtype.")
+@table_dtype_option(None, "Default: --dtype (float tables, which training needs).")
 @TABLE_BLOCK
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is not empty (only once the new model is complete).")
@@ -156,7 +160,8 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
 @main.command()
 @click.argument("model")
 @click.argument("out", type=click.Path(file_okay=False))
-@table_dtype_option("float32, bfloat16 or float16 decompress them.", required=True)
+@table_dtype_option(DEFAULT_COMPRESSED, "The default is the smallest format within its quality target on every "
+                    "held-out set (benchmarks/table_formats.py); float32, bfloat16 or float16 decompress.")
 @TABLE_BLOCK
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is not empty (only once the new model is complete).")
@@ -166,7 +171,7 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
 def compress(model, out, table_dtype, table_block, max_shard_size, overwrite, dry_run, quiet):
     """Store the tables of the STEM model MODEL in another format, into a new folder OUT.
 
-    Typically a recovered model: `stem-upcycle compress runs/my-stem runs/my-stem-int8 --table-dtype int8`.
+    Typically a recovered model: `stem-upcycle compress runs/my-stem runs/my-stem-int4`.
     Decompress with a float --table-dtype (training needs float tables).
     """
     from pathlib import Path

@@ -160,10 +160,11 @@ def test_convert_writes_compressed_tables_and_compress_can_decompress_them(dense
     assert torch.equal(model.stem_table_rows(2, torch.arange(VOCAB)), load(stored, "mmap").stem_table_rows(2, torch.arange(VOCAB)))
 
 
-def test_compress_dry_run_prints_the_bytes_and_writes_nothing(float_dir, tmp_path):
+def test_compress_dry_run_prints_the_bytes_of_the_default_int4_and_writes_nothing(float_dir, tmp_path):
     out = tmp_path / "dry"
-    result = run("compress", float_dir, out, "--table-dtype", "int4", "--table-block", BLOCK, "--dry-run")
+    result = run("compress", float_dir, out, "--table-block", BLOCK, "--dry-run")  # int4: the default
     assert result.exit_code == 0, result.output
+    assert "float32 -> int4 with a float16 scale per 16 elements" in result.output
     table_bytes = 2 * VOCAB * 48 * 4
     int4_bytes = 2 * VOCAB * (24 + 2 * 3)
     assert f"{table_bytes / 1e6:.3f} MB -> {int4_bytes / 1e6:.3f} MB ({int4_bytes / table_bytes:.3f}x)" in result.output

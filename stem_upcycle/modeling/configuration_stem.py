@@ -26,6 +26,9 @@ class StemConfig(PretrainedConfig):
             None: "mmap" when the checkpoint is in safetensors files, else "memory". A keyword of
             `from_pretrained` overrides it.
         stem_cache_rows: rows (token ids) the "host" placement caches on the device.
+        stem_table_format: how compressed tables store their rows, {"dtype": "int8" | "float8" | "int4",
+            "block_size": elements per float16 scale} (`table_format.py`); None: float rows, in the
+            dtype their files hold.
     """
 
     model_type = "stem"
@@ -40,6 +43,7 @@ class StemConfig(PretrainedConfig):
         stem_dense_first_token: bool = False,
         stem_tables: str | None = None,
         stem_cache_rows: int = 2048,
+        stem_table_format: dict | None = None,
         **kwargs,
     ):
         self.dense_model_type = dense_model_type
@@ -50,4 +54,5 @@ class StemConfig(PretrainedConfig):
         self.stem_dense_first_token = bool(stem_dense_first_token)
         self.stem_tables = stem_tables
         self.stem_cache_rows = int(stem_cache_rows)
+        self.stem_table_format = stem_table_format
         super().__init__(**kwargs)
