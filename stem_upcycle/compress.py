@@ -13,12 +13,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert import (COMPUTE_DTYPE, CHUNK_BYTES, MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table,
-                      check_output, parse_shard_size, resolve_table_format, tensor_order_key, write_tensors, move_into_place)
+from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table, check_output, chunk_rows,
+                      parse_shard_size, resolve_table_format, tensor_order_key, write_staged, write_tensors)
 from .families import STEM_TABLE_PREFIX, layer_name
 from .loading import stem_tables
 from .modeling.table_format import TableFormat
-from .shards import INDEX_NAME, TensorSpec, plan_shards, staging_dir
+from .shards import INDEX_NAME, TensorSpec, plan_shards
 from .source import Source
 
 
@@ -109,17 +109,12 @@ def run_compression(plan: CompressionPlan, out: Path, overwrite: bool = False, p
             chunk.copy_(placed.read_range(layer, start, stop))
         return fill
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(out.parent, f".{out.name}")
-    try:
+    def write(staging: Path) -> None:
         write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, table_rows, plan.new, d_ff,
-                      max(1, CHUNK_BYTES // (d_ff * COMPUTE_DTYPE.itemsize)), staging, progress)
+                      chunk_rows(d_ff), staging, progress)
         _write_side_files(plan, staging, command)
-        move_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+
+    return write_staged(out, write)
 
 
 def _write_side_files(plan: CompressionPlan, directory: Path, command: str) -> None:

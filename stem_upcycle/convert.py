@@ -96,7 +96,7 @@ class ConversionPlan:
 
     @property
     def chunk_rows(self) -> int:
-        return max(1, CHUNK_BYTES // (self.config.intermediate_size * COMPUTE_DTYPE.itemsize))
+        return chunk_rows(self.config.intermediate_size)
 
     def ram_estimate(self) -> int:
         """Peak bytes held: the embedding, chunk buffers, one W_up, two dense tensors in flight."""
@@ -130,6 +130,11 @@ class ConversionPlan:
             f"peak RAM   ~{self.ram_estimate() / gb:.1f} GB (estimate)",
         ]
         return "\n".join(lines)
+
+
+def chunk_rows(d_ff: int) -> int:
+    """Rows of a table computed (or re-encoded) at once."""
+    return max(1, CHUNK_BYTES // (d_ff * COMPUTE_DTYPE.itemsize))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -374,11 +379,21 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
     """Write the STEM checkpoint to OUT; nothing appears at OUT unless the whole model was written."""
     out = Path(out)
     check_output(out, overwrite, plan.source, plan.total_bytes)
+
+    def write(staging: Path) -> None:
+        _write_weights(plan, staging, progress)
+        _write_side_files(plan, staging, command)
+
+    return write_staged(out, write)
+
+
+def write_staged(out: Path, write) -> Path:
+    """`write(folder)` into a hidden staging folder beside OUT, moved into place only once it returned;
+    removed if it raised."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(out.parent, f".{out.name}")
     try:
-        _write_weights(plan, staging, progress)
-        _write_side_files(plan, staging, command)
+        write(staging)
         move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
