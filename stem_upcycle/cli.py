@@ -50,6 +50,12 @@ TABLE_BLOCK = click.option("--table-block", type=click.IntRange(min=2), default=
                            help=f"Elements that share one scale in a compressed table (default: {_BLOCKS}).")
 
 
+MAX_SHARD_SIZE = click.option("--max-shard-size", default="5GB", show_default=True,
+                              help="Largest safetensors shard, e.g. 2GB or 500MB.")
+OVERWRITE = click.option("--overwrite", is_flag=True,
+                         help="Replace OUT if it is not empty (only once the new model is complete).")
+
+
 def table_dtype_option(default: str | None, default_help: str):
     return click.option("--table-dtype", type=click.Choice(TABLE_DTYPES), default=default, show_default=bool(default),
                         help="How the tables' rows are stored: a float dtype, or compressed (int8, float8 e4m3, int4) "
@@ -86,8 +92,8 @@ def main():
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
 @table_dtype_option(None, "Default: --dtype (float tables, which training needs).")
 @TABLE_BLOCK
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it is not empty (only once the new model is complete).")
+@MAX_SHARD_SIZE
+@OVERWRITE
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
@@ -163,8 +169,8 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
 @table_dtype_option(DEFAULT_COMPRESSED, "The default is the smallest format within its quality target on every "
                     "held-out set (benchmarks/table_formats.py); float32, bfloat16 or float16 decompress.")
 @TABLE_BLOCK
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard, e.g. 2GB or 500MB.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it is not empty (only once the new model is complete).")
+@MAX_SHARD_SIZE
+@OVERWRITE
 @click.option("--dry-run", is_flag=True, help="Print the table bytes before and after and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
