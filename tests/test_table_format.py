@@ -267,7 +267,7 @@ def test_compressed_model_loads_through_remote_code_alone(compressed, tmp_path, 
     torch.save({"ids": ids, "logits": expected}, tmp_path / "data.pt")
     run_without_stem_upcycle("""
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         path, data = sys.argv[1], torch.load(sys.argv[2])
         for placement in (None, "memory", "mmap"):
             kwargs = {} if placement is None else {"stem_tables": placement}
@@ -278,4 +278,9 @@ def test_compressed_model_loads_through_remote_code_alone(compressed, tmp_path, 
                 torch.testing.assert_close(model(data["ids"]).logits, data["logits"], rtol=0, atol=1e-6)
         out = model.generate(data["ids"][:1], max_new_tokens=5, do_sample=False, pad_token_id=0)
         assert out.shape == (1, data["ids"].shape[1] + 5)
+        # vLLM builds the model from its config under a meta-device context; the rows still come from the files
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, trust_remote_code=True),
+                                                     trust_remote_code=True)
+        assert torch.equal(built.stem_table_rows(0, torch.arange(16)), model.stem_table_rows(0, torch.arange(16)))
     """, out, tmp_path / "data.pt")

@@ -84,9 +84,6 @@ def compressed(converted):
     return out, expected
 
 
-# A known defect: with int8 tables vLLM's engine fails to start (fresh-clone CI, 2026-12-02); its root cause is
-# not found yet. Strict: this test fails the day it passes, so that the README's claim can then be made.
-@pytest.mark.xfail(strict=True, reason="vLLM's engine fails to start on a model with compressed tables")
 @pytest.mark.parametrize("tables", [None, "memory"])
 def test_compressed_tables_serve_the_greedy_text_of_transformers(compressed, tables):
     path, expected = compressed

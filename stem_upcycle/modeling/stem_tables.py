@@ -577,10 +577,11 @@ class HostTables(RowAccess):
         self.mlps = {}  # layer -> its StemMLP, whose weights say device and dtype (set by the model)
         vocab = next(iter(stored.values())).shape[0]
         self.capacity = int(cache_rows)
-        self.slot_of = torch.full((vocab,), -1, dtype=torch.long)  # id -> slot; -1: not cached
-        self.owner = torch.full((self.capacity,), -1, dtype=torch.long)  # slot -> id; -1: free
-        self.uses = torch.zeros(vocab, dtype=torch.long)  # per id: forwards that needed it (LFU)
-        self.leases = torch.zeros(self.capacity, dtype=torch.long)  # per slot: running forwards reading it
+        # host bookkeeping, device="cpu" also when the model is built under a meta-device context (vLLM)
+        self.slot_of = torch.full((vocab,), -1, dtype=torch.long, device="cpu")  # id -> slot; -1: not cached
+        self.owner = torch.full((self.capacity,), -1, dtype=torch.long, device="cpu")  # slot -> id; -1: free
+        self.uses = torch.zeros(vocab, dtype=torch.long, device="cpu")  # per id: forwards that needed it (LFU)
+        self.leases = torch.zeros(self.capacity, dtype=torch.long, device="cpu")  # per slot: forwards reading it
         self.cache = {}  # layer -> {part: [capacity, ...]} on the layer's device (float rows in its dtype)
         self.stats = {"hits": 0, "misses": 0, "staged": 0}  # distinct ids per forward
         self._lock = threading.RLock()
@@ -747,7 +748,8 @@ def _read_whole(table: TableFile, pin: bool = False) -> torch.Tensor:
 
     Page-locked by registering the memory with CUDA rather than by `pin_memory()`, whose allocator
     rounds a block up to a power of two (GBs wasted on a 2.1 GB table), as vLLM and SGLang do."""
-    tensor = torch.empty(table.shape, dtype=table.dtype)
+    # device="cpu" also under a `torch.device("meta")` context, where vLLM builds its models
+    tensor = torch.empty(table.shape, dtype=table.dtype, device="cpu")
     buffer = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
     with open(table.path, "rb") as f:
         f.seek(table.offset)
