@@ -14,6 +14,7 @@ are fp32. Several processes can share the work (`init_options["shard"] = (rank, 
 each reads every world-th window and the accumulators are summed across them by `reduce`.
 """
 
+import functools
 import sys
 
 import torch
@@ -66,6 +67,20 @@ def calibrated_ids(windows: torch.Tensor, config) -> torch.Tensor:
     return windows[:, skipped_positions(config):].unique()
 
 
+def in_fp32(fn):
+    """`fn` computing in fp32 whatever autocast its caller runs: a multi-process `train` converts inside
+    `accelerator.autocast()` (bf16), for the teacher's forward; the sums, fits and rows of the tables stay fp32.
+    (torch.amp.custom_fwd does this for autograd Functions of one device type only.)"""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+@in_fp32
 def fit_ridge(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Ridge regression [x, 1] -> y; returns [d + 1, d_out] (the last row is the intercept)."""
     x = torch.cat([x, torch.ones(x.shape[0], 1)], 1)  # [n, d + 1]
@@ -168,6 +183,7 @@ class CalibratedInit(ClosedFormInit):
     def _accumulator(self, sums, weights, activation, current, skip: int, stop: bool):
         num, den = sums
 
+        @in_fp32  # the teacher's forward may run under bf16 autocast; its sums stay fp32
         def hook(module, args):
             x = args[0][:, skip:].reshape(-1, args[0].shape[-1]).float()  # [tokens, d]
             up = torch.nn.functional.linear(x, weights["up"], weights["up_bias"])  # [tokens, d_ff]
@@ -190,6 +206,7 @@ class CalibratedInit(ClosedFormInit):
     def table_rows(self, layer: int) -> RowsFn:
         projection, means = self.projections[layer], self.means[layer]
 
+        @in_fp32
         def fill(start: int, stop: int, out: torch.Tensor) -> None:
             x = self.mlp_inputs(layer, self.embedding[start:stop])  # [rows, d]
             torch.addmm(projection[-1], x, projection[:-1], out=out)  # the fit, for every row
@@ -198,6 +215,7 @@ class CalibratedInit(ClosedFormInit):
 
         return fill
 
+    @in_fp32
     def rows_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), d_ff] table rows of `ids` (sorted, distinct), as `table_rows` would write them."""
         projection, means = self.projections[layer], self.means[layer]

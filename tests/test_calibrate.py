@@ -232,3 +232,18 @@ def test_processes_sharing_the_windows_give_the_calibration_of_one(dense_with_to
     # A process alone with half the windows would not: the reduction is what makes them equal.
     half = calibrated(shard=(0, 2, None))
     assert not torch.allclose(half.means[0], one.means[0], rtol=1e-3, atol=1e-4)
+
+
+def test_calibration_and_layer_scoring_run_under_bf16_autocast(dense_with_tokenizer, tmp_path):
+    """A multi-process `train` converts inside `accelerator.autocast()`: the teacher's forward runs in bf16 and
+    the calibration's sums, ridge fit and layer scores stay fp32, close to those of an fp32 conversion."""
+    _, src = dense_with_tokenizer()
+    args = ("--layers", "auto:2/3", "--init", "calib", "--calib-data", calib_text(tmp_path, n=1600), "--calib-seq-len", "64")
+    plain = convert(src, tmp_path / "fp32", *args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = convert(src, tmp_path / "bf16", *args)
+    assert mixed.config.stem_layers == plain.config.stem_layers
+    for layer in plain.config.stem_layers:
+        rows = mixed.model.layers[layer].mlp.up_table.weight
+        assert rows.dtype == torch.float32
+        torch.testing.assert_close(rows, plain.model.layers[layer].mlp.up_table.weight, rtol=0, atol=5e-3)  # bf16 inputs: ~2e-3
