@@ -60,7 +60,7 @@ class Summary:
 PLACEMENT_NOTES = {
     "memory": "(tables are parameters, or compressed rows as stored, on the device with the rest)",
     "mmap": "(tables stay in the files; a forward reads its tokens' rows, and the OS caches what it may)",
-    "host": f"(tables in page-locked RAM; the device holds the dense weights and {DEFAULT_CACHE_ROWS} cached rows)",
+    "host": f"(tables in host RAM; the device holds the dense weights and {DEFAULT_CACHE_ROWS} cached rows)",
 }
 
 

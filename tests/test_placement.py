@@ -52,7 +52,11 @@ def test_host_cache_hits_misses_evictions_and_staging(stem_dir, host_on_cpu):
             x = torch.randint(0, VOCAB, (1, length))
             torch.testing.assert_close(host(x).logits, memory(x).logits, rtol=1e-6, atol=1e-6)
         x = torch.tensor([[7, 7, 7]])
-        host(x), host(x)
+        host(x)
+        copies, copy = [], cache._copy
+        cache._copy = lambda ids, *args: copies.append(ids) or copy(ids, *args)
+        host(x)
+    assert copies == []  # a forward whose rows are all cached copies nothing
     assert cache.stats["hits"] >= 1 and cache.stats["misses"] >= 6 and cache.stats["staged"] >= 6
     assert int((cache.owner >= 0).sum()) <= 6 and int(cache.leases.sum()) == 0  # every lease released
     cached = cache.owner[cache.owner >= 0]

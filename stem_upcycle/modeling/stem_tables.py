@@ -4,7 +4,7 @@
   tables (int8, fp8, int4: `table_format.py`) are held whole as stored and decoded row by row.
 - "mmap": tables stay in the safetensors shards (read-only); each forward reads the rows of its
   distinct ids, decoded and cast to the compute dtype as they are gathered. Nothing reads a whole table.
-- "host": for accelerators: tables in host memory (page-locked on CUDA), a row cache on the device
+- "host": for accelerators: tables in host memory, a row cache on the device
   shared by all STEM layers; a forward copies its missing rows for every layer in one pass, on a
   side stream, so the copy overlaps the layers before the first STEM layer.
 
@@ -66,7 +66,9 @@ class ForwardIds:
     def on(self, device: torch.device) -> torch.Tensor:
         """The lookup ids on `device` (a split model's layers sit on several devices)."""
         if device not in self._on:
-            self._on[device] = self.lookup.to(device, non_blocking=True)
+            # non_blocking only toward an accelerator: a non-blocking copy to the host returns a pinned buffer
+            # still being written, and the host reads these ids at once (`unique`, row reads)
+            self._on[device] = self.lookup.to(device, non_blocking=device.type != "cpu")
         return self._on[device]
 
     @property
@@ -572,7 +574,9 @@ class HostTables(RowAccess):
 
     def __init__(self, stored: dict[int, StoredTable], cache_rows: int):
         self.stored = stored
-        self.tables = {layer: {name: _read_whole(where, pin=True) for name, where in table.parts.items()}
+        # Pageable: the device never reads a table, only rows the host gathers into page-locked staging (`_gather`);
+        # registering whole tables page-locked (GBs each) would lock RAM for nothing.
+        self.tables = {layer: {name: _read_whole(where) for name, where in table.parts.items()}
                        for layer, table in stored.items()}
         self.mlps = {}  # layer -> its StemMLP, whose weights say device and dtype (set by the model)
         vocab = next(iter(stored.values())).shape[0]
@@ -586,6 +590,7 @@ class HostTables(RowAccess):
         self.stats = {"hits": 0, "misses": 0, "staged": 0}  # distinct ids per forward
         self._lock = threading.RLock()
         self._streams = {}  # device -> side stream of the copies
+        self._last_copies = {}  # device -> event at the end of the latest copies into its cache
         self._last_reads = {}  # thread id -> {device: event at the end of its latest forward}
         self._local = threading.local()
 
@@ -624,13 +629,17 @@ class HostTables(RowAccess):
                 return
             self.leases[slots] += 1
             missing = self.owner[slots] != unique
-            self.stats["hits"] += int((~missing).sum())
-            self.stats["misses"] += int(missing.sum())
-            evicted = self.owner[slots[missing]]
-            self.slot_of[evicted[evicted >= 0]] = -1
-            self.owner[slots[missing]] = unique[missing]
-            self.slot_of[unique[missing]] = slots[missing]
-            _, events = self._copy(unique[missing], mlps, slots[missing])
+            misses = int(missing.sum())
+            self.stats["hits"] += unique.numel() - misses
+            self.stats["misses"] += misses
+            if misses:
+                evicted = self.owner[slots[missing]]
+                self.slot_of[evicted[evicted >= 0]] = -1
+                self.owner[slots[missing]] = unique[missing]
+                self.slot_of[unique[missing]] = slots[missing]
+                _, events = self._copy(unique[missing], mlps, slots[missing])
+            else:  # every row cached: no copy, but an earlier forward's copies into those slots may still run
+                events = dict(self._last_copies)
             forward.plan = {"index": self._on_devices(slots[inverse], mlps), "leased": slots, "events": events}
 
     @staticmethod
@@ -673,7 +682,7 @@ class HostTables(RowAccess):
     def _copy(self, ids: torch.Tensor, mlps, slots: torch.Tensor | None = None):
         """Copy the rows of `ids` of every layer to its device, into the cache's `slots`, or (no slots)
         into new tensors. Returns (those tensors by layer, {device: event marking the copies' end})."""
-        staged, events = {}, {}
+        staged, events, slots_on = {}, {}, {}
         for layer, mlp in mlps.items():
             device, dtype = _home(mlp)
             stream = self._side_stream(device)
@@ -682,17 +691,17 @@ class HostTables(RowAccess):
                     for reads in self._last_reads.values():  # slots that earlier forwards may still read
                         if device in reads:
                             stream.wait_event(reads[device])
+                if slots is not None and device not in slots_on:  # once per forward and device, on its stream
+                    slots_on[device] = (slots.pin_memory() if stream is not None else slots).to(device, non_blocking=True)
                 for name, part in self.tables[layer].items():
-                    rows = part.index_select(0, ids)  # [n, ...] in host memory
-                    if stream is not None:
-                        rows = rows.pin_memory()  # a few rows: asynchronous copies need page-locked memory
+                    rows = _gather(part, ids, pin=stream is not None)  # [n, ...] in host memory
                     moved = rows.to(device, _cached_dtype(name, part, dtype), non_blocking=True)
                     if slots is None:
                         staged.setdefault(layer, {})[name] = moved
                     else:
-                        self.cache[layer][name].index_copy_(0, slots.to(device, non_blocking=True), moved)
+                        self.cache[layer][name].index_copy_(0, slots_on[device], moved)
                 if stream is not None:
-                    events[device] = stream.record_event()
+                    events[device] = self._last_copies[device] = stream.record_event()
         return staged, events
 
     def _side_stream(self, device: torch.device):
@@ -743,11 +752,16 @@ def _cached_dtype(name: str, part: torch.Tensor, compute: torch.dtype) -> torch.
     return compute if name == "weight" else part.dtype
 
 
-def _read_whole(table: TableFile, pin: bool = False) -> torch.Tensor:
-    """The tensor read from its file into host memory; with `pin`, page-locked where CUDA is available.
+def _gather(source: torch.Tensor, ids: torch.Tensor, pin: bool) -> torch.Tensor:
+    """`source[ids]` in new host memory; with `pin`, gathered straight into page-locked memory, which an
+    asynchronous copy to the device needs (one host copy, not two as with `.pin_memory()` after it). Torch's
+    page-locked allocator keeps such a buffer from reuse until the copies that read it have run."""
+    out = torch.empty(ids.numel(), *source.shape[1:], dtype=source.dtype, device="cpu", pin_memory=pin)
+    return torch.index_select(source, 0, ids, out=out)
 
-    Page-locked by registering the memory with CUDA rather than by `pin_memory()`, whose allocator
-    rounds a block up to a power of two (GBs wasted on a 2.1 GB table), as vLLM and SGLang do."""
+
+def _read_whole(table: TableFile) -> torch.Tensor:
+    """The tensor read from its file into host memory."""
     # device="cpu" also under a `torch.device("meta")` context, where vLLM builds its models
     tensor = torch.empty(table.shape, dtype=table.dtype, device="cpu")
     buffer = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
@@ -759,10 +773,6 @@ def _read_whole(table: TableFile, pin: bool = False) -> torch.Tensor:
             if not n:
                 raise StemTablesError(f"{table.path} ended while reading a table; download or export it again")
             done += n
-    if pin and torch.cuda.is_available():
-        cudart = torch.cuda.cudart()
-        if cudart.cudaHostRegister(tensor.data_ptr(), table.nbytes, 0) == 0:
-            weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
     return tensor
 
 
