@@ -16,6 +16,7 @@ UNTESTED: no GPU was available where this was written. It is the one script to r
 """
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -31,8 +32,9 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True)
 
 
-def make(folder: Path, shape: dict, stem_layers: list[int], dtype: torch.dtype) -> tuple[Path, Path]:
-    """A random dense Llama and the STEM model with the same dense weights (random tables), saved."""
+def make(folder: Path, shape: dict, stem_layers: list[int], dtype: torch.dtype, device: str = "cuda") -> tuple[Path, Path]:
+    """A random dense Llama and the STEM model with the same dense weights (random tables), saved. Built in
+    `dtype` on `device`: the 1B shape initialised in fp32 on the CPU would spend minutes of device time."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from stem_upcycle import StemForCausalLM
@@ -43,14 +45,25 @@ def make(folder: Path, shape: dict, stem_layers: list[int], dtype: torch.dtype) 
     if (stem_dir / "config.json").exists():
         return dense_dir, stem_dir
     torch.manual_seed(0)
-    dense = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype)
-    dense.save_pretrained(dense_dir)
-    config = stem_config(dense.config, family_for("llama"), stem_layers, "random", dtype, False)
-    stem = StemForCausalLM(config).to(dtype)
+    with torch.device(device):
+        dense = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=dtype)
+        dense.save_pretrained(dense_dir)
+        config = stem_config(dense.config, family_for("llama"), stem_layers, "random", dtype, False)
+        stem = StemForCausalLM._from_config(config, dtype=dtype)
     missing, _ = stem.load_state_dict(dense.state_dict(), strict=False)
     assert all("up_table" in m for m in missing), missing
     stem.save_pretrained(stem_dir)
+    del dense, stem
+    free()
     return dense_dir, stem_dir
+
+
+def free() -> None:
+    """Release deleted models' memory now: a STEM placement and its MLPs reference each other, so `del` alone
+    leaves them to the cycle collector, and the next model's VRAM figures would carry this one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def load(path, **kwargs):
@@ -89,7 +102,10 @@ def check_equality(work: Path) -> None:
         print(f"equal to memory: {placement} {kwargs or ''} (VRAM after loading {allocated / 2**20:.0f} MiB; "
               f"cache {stats})", flush=True)
         del model
+        free()
     print(f"memory placement VRAM: {memory.get_memory_footprint() / 2**20:.0f} MiB", flush=True)
+    del memory
+    free()
 
 
 @torch.no_grad()
@@ -125,6 +141,7 @@ def speed(work: Path) -> None:
         print(f"{name:<14} {load_s:>7.1f} {vram / 2**30:>9.2f}G {torch.cuda.max_memory_allocated() / 2**30:>9.2f}G "
               f"{prefill:>14.0f} {decode:>8.1f} ({decode / base:.2f}x) {stats}", flush=True)
         del model, out, cache
+        free()
 
 
 def packed_copy() -> None:

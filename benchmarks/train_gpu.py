@@ -16,21 +16,29 @@ Both curves are printed side by side: at each evaluation, perplexity / the untou
 model's on every held-out set. With more than one GPU visible, one step of the FSDP recipe path
 also runs (accelerate launch with recipes/accelerate/fsdp.yaml).
 
-The device machine receives at most 64 MiB per call, so the model travels as pieces:
+Sized for a 15-minute device session (start-up included) that also runs inference_gpu.py and leaves
+room for a rerun: ~1/4 of the CPU recipe's generated and calibration text, 100 steps (estimated 3-4
+minutes on an H200 after start-up). Each evaluation is printed as the trainer logs it, and every log
+goes to --log-dir ($OUT on the device machine), so a run cut at the limit still returns what it did.
+
+The device machine receives at most 64 MiB per call, so the model travels as pieces, and the second
+call must reach the machine while it is still warm (it is handed back after ~30 s idle):
 
     # here (CPU): the GGUF file in 48 MiB pieces, the texts, the gguf wheel (pure Python)
     python benchmarks/train_gpu.py pack            # writes runs/gpu-pack/ (git-ignored)
-    # call 1 (carry runs/gpu-pack/part-0, runs/gpu-pack/data, runs/gpu-pack/whl):
-    #   mkdir -p /tmp/pack && cp -r runs/gpu-pack/* /tmp/pack/
-    # call 2 (carry runs/gpu-pack/part-1):
+    # call 1, the correctness check first (carry runs/gpu-pack/part-0, runs/gpu-pack/data, runs/gpu-pack/whl):
+    #   mkdir -p /tmp/pack && cp -r runs/gpu-pack/* /tmp/pack/ && python3 benchmarks/inference_gpu.py
+    # call 2, at once (carry runs/gpu-pack/part-1):
     #   cp runs/gpu-pack/part-1 /tmp/pack/ && python3 benchmarks/train_gpu.py run --pack /tmp/pack
 """
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -94,8 +102,8 @@ def overrides(args, data: Path, dense: Path) -> list[str]:
                          "data.seq_len=64", "data.eval_tokens=128", "generated.tokens=512", "generated.length=64",
                          "generated.batch_size=8", "model.calib_tokens=1024", "model.calib_seq_len=64"]
     return common + [f"train.steps={args.steps}", "train.batch_size=64", "train.micro_batch_size=32",
-                     f"train.eval_every={max(1, args.steps // 6)}", "train.precision=bf16", "data.eval_tokens=8192",
-                     "generated.tokens=1048576", "generated.batch_size=256", "model.calib_tokens=1048576",
+                     f"train.eval_every={max(1, args.steps // 4)}", "train.precision=bf16", "data.eval_tokens=4096",
+                     "generated.tokens=262144", "generated.batch_size=256", "model.calib_tokens=262144",
                      "train.warmup_steps=10"]
 
 
@@ -106,10 +114,39 @@ def train(name: str, extra: list[str], args, data: Path, dense: Path) -> tuple[l
     out = args.work / name
     shutil.rmtree(out, ignore_errors=True)
     recipe = load_recipe(ROOT / "recipes" / "smollm2-135m-cpu.yaml", overrides(args, data, dense) + extra)
+    (args.log_dir / f"{name}.jsonl").unlink(missing_ok=True)
     started = time.perf_counter()
-    Trainer(recipe, out, progress=False).run()
+    done = threading.Event()
+    follower = threading.Thread(target=follow, args=(name, out / "train_log.jsonl", args.log_dir, done))
+    follower.start()
+    try:
+        Trainer(recipe, out, progress=False).run()
+    finally:
+        done.set()
+        follower.join()
     seconds = time.perf_counter() - started
+    print(f"{name}: done in {seconds:.0f} s", flush=True)
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()], seconds
+
+
+def follow(name: str, log: Path, sink: Path, done: threading.Event) -> None:
+    """Print each record the trainer appends to `log` as it comes (evaluations in full), and copy it to
+    `sink`/NAME.jsonl: a run cut at the device's time limit still returns everything it logged."""
+    sink.mkdir(parents=True, exist_ok=True)
+    seen = 0
+    while True:
+        finished = done.is_set()  # read before the file: the last lines are in it once this is set
+        lines = log.read_text().splitlines() if log.exists() else []
+        for line in lines[seen:]:
+            record = json.loads(line)
+            evals = " ".join(f"{k} {v['ppl_ratio']:.3f}x" for k, v in record.get("eval", {}).items())
+            print(f"{name} step {record['step']}: " + (evals or f"loss {record.get('loss', 0):.3f}"), flush=True)
+            with (sink / f"{name}.jsonl").open("a") as f:
+                f.write(line + "\n")
+        seen = len(lines)
+        if finished:
+            return
+        time.sleep(2)
 
 
 def fsdp_step(args, data: Path, dense: Path) -> None:
@@ -147,7 +184,9 @@ def main():
     parser.add_argument("action", choices=["pack", "run"])
     parser.add_argument("--pack", type=Path, default=ROOT / "runs" / "gpu-pack", help="the folder `pack` writes")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "train-gpu")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--log-dir", type=Path, default=Path(os.environ.get("OUT", ROOT / "runs" / "train-gpu" / "logs")),
+                        help="where each run's log is copied as it grows (default: $OUT, which the device tool returns)")
     parser.add_argument("--smoke", action="store_true", help="a few tiny steps, on any device")
     args = parser.parse_args()
     if args.action == "pack":

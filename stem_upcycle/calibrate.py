@@ -58,8 +58,8 @@ def calibration_windows(source, options: dict) -> torch.Tensor:
 def skipped_positions(config) -> int:
     """Positions at the start of each window whose up-projections calibrate no row: the first token's, where it
     keeps the dense up-projection (StemMLP): its rows never serve it, and its hidden states (its id's alone, the
-    attention sink) are no context of the token's other uses."""
-    return 1 if config.stem_dense_first_token else 0
+    attention sink) are no context of the token's other uses. None for a dense model (a fine-tuned baseline)."""
+    return 1 if getattr(config, "stem_dense_first_token", False) else 0
 
 
 def calibrated_ids(windows: torch.Tensor, config) -> torch.Tensor:

@@ -17,6 +17,7 @@ from stem_upcycle.cli import main
 from stem_upcycle.convert import plan_conversion, run_conversion
 from stem_upcycle.source import open_source
 from stem_upcycle.training import checkpoint
+from stem_upcycle.training.tables import distinct_ids
 from stem_upcycle.training.recipe import load_recipe
 from stem_upcycle.training.trainer import Trainer
 
@@ -87,7 +88,7 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     ids = trainer.heldout["heldout"][:2, :-1]
     for table in trainer.tables.values():
-        table.gather(ids)
+        table.gather(distinct_ids(ids))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, trainer.causal_lm.eval()(ids).logits, rtol=1e-5, atol=1e-5)
     assert "Recovery training" in (out / "README.md").read_text()
@@ -350,3 +351,18 @@ def test_two_processes_split_the_calibration_of_the_conversion(workspace):
     a, b = (safe_open(str(next((workspace / r / "init").glob("*.safetensors"))), "pt") for r in ("one", "two"))
     for name in ("model.layers.0.mlp.up_table.weight", "model.layers.2.mlp.up_table.weight"):
         torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
+
+
+def test_the_recipe_fine_tunes_the_dense_model_itself_as_the_baseline(workspace):
+    """`model.init_from` = the dense model, dense parts trainable: the baseline a STEM run is compared with
+    (benchmarks/dense_finetune.py, train_gpu.py); it trains, has no rows and exports a dense model."""
+    from transformers import AutoModelForCausalLM
+
+    out = workspace / "dense-ft"
+    overrides = [o for o in _overrides(workspace, "train.steps=4", "train.lr=3e-3", "train.eval_every=4",
+                                       "train.trainable=[mlp, norms, attention]") if not o.startswith("model.init_from")]
+    Trainer(load_recipe(None, overrides + [f"model.init_from={workspace / 'dense'}"]), out, progress=False).run()
+    log = _log(out)
+    assert log[-1]["eval"]["heldout"]["ppl"] < log[0]["eval"]["heldout"]["ppl"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "llama" and not any("up_table" in n for n in model.state_dict())

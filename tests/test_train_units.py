@@ -12,7 +12,7 @@ from stem_upcycle.training.data import Batches
 from stem_upcycle.training.losses import IGNORE, HeadLoss, head_loss
 from stem_upcycle.training.recipe import RANGES, Recipe, RecipeError, load_recipe
 from stem_upcycle.training.student import attach_tables, base_model, set_blend, set_handoff
-from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagrad, SharedTables
+from stem_upcycle.training.tables import LazyAdam, OffloadedTable, RowwiseAdagrad, SharedTables, distinct_ids
 
 
 def _reference_loss(spec, hidden, weight, targets, teacher_hidden, teacher_weight, normalizer, ce_mask):
@@ -55,7 +55,7 @@ def test_rowwise_adagrad_updates_only_the_rows_of_the_step():
     before = weight.clone()
     table = OffloadedTable(weight, torch.device("cpu"))
     optimizer = RowwiseAdagrad([table])
-    table.gather(torch.tensor([[3, 7, 3], [11, 7, 7]]))
+    table.gather(distinct_ids(torch.tensor([[3, 7, 3], [11, 7, 7]])))
     (table.lookup(torch.tensor([[3, 7, 11]])).sum() * 2).backward()
     optimizer.step(lr=0.1)
     touched = torch.tensor([3, 7, 11])
@@ -96,7 +96,7 @@ def test_shared_tables_are_one_copy_whose_rows_each_process_updates_once(tmp_pat
     grad_of = torch.randn(30, 6)  # the gradient of each row, the same in every process (after all-reduce)
 
     def one_step(table, opt):
-        table.gather(ids)
+        table.gather(distinct_ids(ids))
         (table.lookup(table.ids) * grad_of[table.ids]).sum().backward()
         opt.step(lr=0.1)
 
@@ -137,7 +137,7 @@ def test_handoff_at_blend_zero_is_the_dense_model_exactly(dense_dir, tmp_path, i
     kept = [name for name in student.state_dict() if "up_proj" in name]  # no parameter of the student's either,
     assert len(kept) == (3 if first_token == "dense" else 0)  # but the first token's own up-projection
     for table in tables.values():
-        table.gather(ids)
+        table.gather(distinct_ids(ids))
     with torch.no_grad():
         if model_type == "phi3":
             # Phi-3's dense MLP runs one fused gate_up matmul, the hand-off two split ones: the same
@@ -205,3 +205,15 @@ def test_batches_are_deterministic_and_an_epoch_reads_every_sequence_once():
     assert torch.equal(a.step(7), b.step(7)) and not torch.equal(a.step(0), a.step(1))
     seen = torch.cat([a.step(s) for s in range(5)])[:, 0].sort().values
     assert torch.equal(seen, many[:, 0])
+
+
+def test_chunked_head_loss_never_waits_for_the_device():
+    """No boolean index, nonzero() or item() in the loss (each a host sync per chunk on a GPU): it runs on meta
+    tensors, which have no values, so any operation that must read one raises."""
+    spec = HeadLoss(chunk_tokens=8)
+    hidden, weight = torch.randn(37, 16, device="meta", requires_grad=True), torch.randn(50, 16, device="meta")
+    targets = torch.randint(0, 50, (37,), device="meta")
+    ce_mask = torch.ones(37, dtype=torch.bool, device="meta")
+    loss, sums = head_loss(spec, hidden, weight, targets, torch.randn(37, 16, device="meta"), weight, 35.0, ce_mask)
+    loss.backward()
+    assert loss.device.type == sums.device.type == hidden.grad.device.type == "meta"

@@ -69,19 +69,21 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             z, t = spec.logits(h, weight)  # [c, vocab]
             logp = F.log_softmax(z, -1)
             p = logp.exp()
-            nll = -logp.gather(1, y.clamp_min(0)[:, None])[:, 0]
-            sums[0] += nll[scored].sum().double()
+            # Masks multiply or select, never index: a boolean index or nonzero() waits for the device each time
+            target = y.clamp_min(0)[:, None]  # [c, 1]
+            nll = -logp.gather(1, target)[:, 0]
+            sums[0] += torch.where(scored, nll, 0).sum().double()
             sums[3] += valid.sum()
             sums[4] += scored.sum()
             grad_z = spec.ce_weight * p * scored[:, None]
-            grad_z[scored.nonzero()[:, 0], y[scored]] -= spec.ce_weight
+            grad_z.scatter_add_(1, target, -spec.ce_weight * scored[:, None].to(grad_z.dtype))
             if teacher_hidden is not None:
                 zt, _ = spec.logits(teacher_hidden[start : start + step], teacher_weight)
                 logq_t = F.log_softmax(zt / T, -1)
                 logp_t = logp if T == 1 else F.log_softmax(z / T, -1)
                 kl = (logq_t.exp() * (logq_t - logp_t)).sum(-1) * T * T
-                sums[1] += kl[valid].sum().double()
-                sums[2] += (z.argmax(-1) == zt.argmax(-1))[valid].sum()
+                sums[1] += torch.where(valid, kl, 0).sum().double()
+                sums[2] += ((z.argmax(-1) == zt.argmax(-1)) & valid).sum()
                 grad_z += spec.kd_weight * T * (logp_t.exp() - logq_t.exp())
             if not (want_h or want_w):
                 continue

@@ -90,6 +90,12 @@ class SharedTables:
         return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
+def distinct_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The sorted distinct ids of a batch (any shape) in host memory, which `OffloadedTable.gather` takes:
+    computed once per batch for every table, where the batch still is on the host (no device sync)."""
+    return ids.unique() if ids.device.type == "cpu" else ids.unique().cpu()
+
+
 class OffloadedTable:
     """A [vocab, d_ff] table in host memory plus the rows the current step uses, on the device."""
 
@@ -100,9 +106,9 @@ class OffloadedTable:
         self.ids = None  # [n] sorted distinct ids of the step, on the device
         self.rows = None  # [n, d_ff] fp32 leaf on the device
 
-    def gather(self, ids: torch.Tensor) -> None:
-        """Make the rows of `ids` (any shape) the trainable rows of this step."""
-        unique = ids.unique().cpu()
+    def gather(self, unique: torch.Tensor) -> None:
+        """Make the rows of `unique` (sorted distinct ids in host memory, `distinct_ids`) the trainable rows of
+        this step."""
         self.ids = unique.to(self.device)
         self.rows = self.weight[unique].to(self.device, torch.float32).requires_grad_()
 

@@ -38,7 +38,7 @@ from .starting_point import generated_text, initial_model
 from .losses import HeadLoss, head_loss
 from .recipe import Recipe
 from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff, unwrap_lora
-from .tables import TABLE_OPTIMIZERS, SharedTables, clip_rows
+from .tables import TABLE_OPTIMIZERS, SharedTables, clip_rows, distinct_ids
 
 
 class TrainError(UserError):
@@ -205,11 +205,13 @@ class Trainer:
         t, acc = self.recipe.train, self.accelerator
         batch, generated = self.batches.step(step)  # [batch_size, seq_len + 1], the global batch; [batch_size]
         self._cover(batch)
+        every_row = getattr(self.table_optimizer, "all_rows", False)  # dense AdamW updates whole tables
+        # the rows of the whole global batch, on every process
+        rows = None if every_row else distinct_ids(batch[:, :-1])
+        for table in self.tables.values():
+            table.gather(torch.arange(table.weight.shape[0]) if every_row else rows)
         batch = batch.to(acc.device)
         ce_rows = (~generated | self.recipe.generated.ce).to(acc.device)  # sequences with a cross-entropy term
-        every_row = getattr(self.table_optimizer, "all_rows", False)  # dense AdamW updates whole tables
-        for table in self.tables.values():  # the rows of the whole global batch, on every process
-            table.gather(torch.arange(table.weight.shape[0], device=acc.device) if every_row else batch[:, :-1])
         set_blend(self.causal_lm, self._blend(step))
         mine = batch.chunk(self.world)[acc.process_index]
         mine_ce = ce_rows.chunk(self.world)[acc.process_index]
@@ -291,6 +293,7 @@ class Trainer:
     def _evaluate_set(self, name: str, sequences: torch.Tensor) -> dict:
         acc, t = self.accelerator, self.recipe.train
         spec = acc.unwrap_model(self.step_module).spec
+        on_host = sequences.split(t.micro_batch_size)
         chunks = sequences.to(acc.device).split(t.micro_batch_size)
         if name not in self._eval_reference:  # the teacher's side never changes: computed once per set
             hidden = [self._teacher_hidden(chunk[:, :-1]) for chunk in chunks]
@@ -303,10 +306,11 @@ class Trainer:
             self._eval_reference[name] = [h.cpu() for h in hidden], ref_nll
         hidden, ref_nll = self._eval_reference[name]
         sums = torch.zeros(5, dtype=torch.float64, device=acc.device)
-        for chunk, teacher_hidden in zip(chunks, hidden):
+        for host_chunk, chunk, teacher_hidden in zip(on_host, chunks, hidden):
             inputs, targets = chunk[:, :-1], chunk[:, 1:]
+            rows = distinct_ids(host_chunk[:, :-1])
             for table in self.tables.values():
-                table.gather(inputs)
+                table.gather(rows)
             with acc.autocast():
                 sums += self.step_module(inputs, targets, teacher_hidden.to(acc.device), self.teacher_weight, 1.0)[1]
         n = sums[3].item()

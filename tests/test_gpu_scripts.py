@@ -1,0 +1,47 @@
+"""The GPU benchmark scripts' CPU-runnable parts (the device machine's minutes are few): the 1B-shaped
+models built in their dtype where asked, and `train_gpu.py --smoke` streaming every run's log."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_inference_gpu_builds_the_stem_model_in_its_dtype_with_the_dense_weights(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.inference_gpu import make
+
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True)
+    dense_dir, stem_dir = make(tmp_path, shape, [0, 2], torch.bfloat16, device="cpu")
+    dense = AutoModelForCausalLM.from_pretrained(dense_dir)
+    stem = AutoModelForCausalLM.from_pretrained(stem_dir, stem_tables="memory")
+    assert dense.dtype == stem.dtype == stem.model.layers[0].mlp.up_table.weight.dtype == torch.bfloat16
+    assert stem.config.stem_layers == [0, 2]
+    dense_weights = dense.state_dict()
+    for name, tensor in stem.state_dict().items():
+        if "up_table" not in name:
+            assert torch.equal(tensor, dense_weights[name]), name
+    assert float(stem.model.layers[2].mlp.up_table.weight.float().std()) > 0  # random, not empty
+
+
+@pytest.mark.slow
+def test_train_gpu_smoke_run_streams_each_log_to_the_log_dir(tmp_path):
+    pytest.importorskip("gguf")
+    logs = tmp_path / "logs"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_gpu.py"), "run", "--smoke", "--work",
+                          str(tmp_path / "work"), "--log-dir", str(logs)], capture_output=True, text=True, timeout=1200,
+                         env={**os.environ, "OUT": str(tmp_path / "not-this")})
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("stem", "dense"):
+        records = [json.loads(line) for line in (logs / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "eval" in r] == [0, 1, 2]
+        assert f"{name} step 2: plays" in run.stdout
+    assert "perplexity / the dense model's" in run.stdout
