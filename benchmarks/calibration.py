@@ -15,21 +15,21 @@ import argparse
 import glob
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stem_upcycle.calibrate import CalibratedInit, fit_ridge  # noqa: E402
 from stem_upcycle.convert import stem_config  # noqa: E402
 from stem_upcycle.evaluate import read_token_ids  # noqa: E402
 from stem_upcycle.loading import load_tokenizer, model_from_source  # noqa: E402
 from stem_upcycle.families import family_for  # noqa: E402
-from stem_upcycle.init import mlp_projections  # noqa: E402
 from stem_upcycle.layers import parse_layers  # noqa: E402
-from stem_upcycle.sensitivity import measure_costs, perplexity_with  # noqa: E402
 from stem_upcycle.source import open_source  # noqa: E402
+from stem_upcycle.table_init import InitOptions, InitTarget  # noqa: E402
+from stem_upcycle.table_init.calibrated import CalibratedInit, fit_ridge  # noqa: E402
+from stem_upcycle.table_init.closed_form import mlp_projections  # noqa: E402
+from stem_upcycle.table_init.layer_choice import measure_costs, perplexity_with  # noqa: E402
 
 
 def unseen_row_errors(calibrated: CalibratedInit, layer: int, generator: torch.Generator) -> dict[str, float]:
@@ -66,10 +66,10 @@ def main():
     layers = source.config.num_hidden_layers
     config = stem_config(source.config, family, [0], "calib", torch.float32, False)
     calib = [f for f in sorted(glob.glob(args.calib)) if Path(f).resolve() not in {Path(h).resolve() for h in args.heldout}]
-    options = {"calib_data": calib, "calib_tokens": args.calib_tokens, "calib_seq_len": 512, "heldout_data": args.heldout}
     model = model_from_source(source)
-    plan = SimpleNamespace(source=source, family=family, layers=list(range(layers)), config=config, init_options=options)
-    calibrated = CalibratedInit(plan, progress=True, model=model)
+    options = InitOptions(calib_data=calib, calib_tokens=args.calib_tokens, calib_seq_len=512,
+                          heldout_data={"held-out": args.heldout}, dense_model=model)
+    calibrated = CalibratedInit(InitTarget(source, family, config, list(range(layers))), options, progress=True)
 
     print("\n1. rows of unseen tokens: relative error on 10% of the seen tokens, hidden from the fit")
     generator = torch.Generator().manual_seed(0)

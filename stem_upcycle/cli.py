@@ -11,7 +11,7 @@ from .convert import FIRST_TOKEN
 from .source import DTYPES
 from .editing import MODES
 from .errors import UserError
-from .initialisers import INITIALISERS
+from .table_init import INITIALISERS
 from .layers import DEFAULT_LAYERS
 from .modeling.stem_tables import PLACEMENTS, StemTablesError
 from .modeling.table_format import COMPRESSED, TABLE_DTYPES
@@ -110,20 +110,21 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
 
     from .convert import check_output, plan_conversion, run_conversion
     from .loading import model_from_source, resolve_device
-    from .sensitivity import is_auto
     from .source import open_source
+    from .table_init import InitOptions
+    from .table_init.layer_choice import is_auto
 
     device = resolve_device(device)
     src = open_source(source)
-    options = {"calib_data": list(calib_data), "calib_tokens": calib_tokens, "calib_seq_len": calib_seq_len}
-    reads_text = getattr(INITIALISERS[init], "needs_data", False) or is_auto(layers) or calib_generate
+    options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len)
+    reads_text = INITIALISERS[init].needs_data or is_auto(layers) or calib_generate
     if reads_text and not dry_run:  # the dense model, loaded once, where it reads (and writes) text
-        options["dense_model"] = model_from_source(src).to(device)
+        options.dense_model = model_from_source(src).to(device)
     if calib_generate and dry_run:  # stands for the text a real run samples: a dry run generates nothing
-        options["calib_generated"] = torch.zeros(0, dtype=torch.long)
+        options.calib_generated = torch.zeros(0, dtype=torch.long)
     elif calib_generate:
-        options.update(generated_calibration(src, options["dense_model"], calib_generate, calib_tokens,
-                                             progress=not quiet))
+        options.calib_generated = generated_calibration(src, options.dense_model, calib_generate, calib_tokens,
+                                                        progress=not quiet)
     plan = plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
                            init_options=options, progress=not quiet, dry_run=dry_run, first_token=first_token,
                            table_dtype=table_dtype, block_size=table_block)
@@ -147,8 +148,8 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
     click.echo(f"note: {UNTRAINED_WARNING}", err=True)
 
 
-def generated_calibration(source, model, tokens: int, calib_tokens: int, progress: bool) -> dict:
-    """init_options for calibrating on `tokens` tokens sampled from the source model `model`."""
+def generated_calibration(source, model, tokens: int, calib_tokens: int, progress: bool) -> "torch.Tensor":
+    """A stream of `tokens` token ids sampled from the source model `model`, to calibrate on."""
     from .loading import load_tokenizer
     from .generate import GeneratedText, Sampling, as_stream
 
@@ -160,7 +161,7 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
     if stats:
         click.echo(f"generated {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} "
                    f"tokens/s) into {text.folder}", err=True)
-    return {"calib_generated": as_stream(ids, tokenizer.eos_token_id)[:tokens]}
+    return as_stream(ids, tokenizer.eos_token_id)[:tokens]
 
 
 @main.command()

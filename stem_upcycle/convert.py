@@ -12,7 +12,7 @@ import queue
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,13 +21,13 @@ from transformers.utils.hub import convert_file_size_to_int
 from . import card
 from .errors import UserError
 from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE_PREFIX, STEM_UP, Family, family_for, layer_name
-from .initialisers import INITIALISERS
 from .layers import DEFAULT_LAYERS, parse_layers
-from .sensitivity import auto_fraction, check_auto, is_auto, select_layers
 from .modeling import StemConfig
 from .modeling.table_format import TableFormat, TableFormatError
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards, staging_dir
 from .source import DTYPES, TOKENIZER_FILES, Source
+from .table_init import INITIALISERS, InitOptions, InitTarget
+from .table_init.layer_choice import auto_fraction, check_auto, is_auto, select_layers
 
 MODELING_DIR = Path(__file__).parent / "modeling"
 MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "stem_tables.py", "table_format.py")
@@ -75,12 +75,14 @@ class ConversionPlan:
     producers: dict  # output name -> Copy | Table
     shards: list[list[TensorSpec]]
     config: StemConfig
-    # For the calibrated inits: calib_data, calib_tokens, calib_seq_len, calib_generated (ids sampled from the
-    # dense model), heldout_data (files whose coverage is reported), dense_model (the dense model, already loaded)
-    init_options: dict
+    init_options: InitOptions  # what the init reads besides the checkpoint (calibration text, ...)
     # For `--layers auto:` in a dry run: the spec; `layers` then stands for the chosen count (sizes only)
     auto_spec: str | None = None
     table_format: TableFormat | None = None  # how the tables' rows are stored; None: float, in `dtype`
+
+    @property
+    def init_target(self) -> InitTarget:
+        return InitTarget(self.source, self.family, self.config, self.layers)
 
     @property
     def total_bytes(self) -> int:
@@ -107,8 +109,8 @@ class ConversionPlan:
         up = cfg.intermediate_size * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
         largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], Table))
         runtime = 600 * 2**20  # Python, torch and transformers themselves
-        if getattr(INITIALISERS[self.init], "needs_data", False):  # the dense model in fp32, accumulators
-            from .calibrate import CALIB_MEMORY_BYTES
+        if INITIALISERS[self.init].needs_data:  # the dense model in fp32, accumulators
+            from .table_init.calibrated import CALIB_MEMORY_BYTES
 
             params = sum(math.prod(tensors.shape(n)) for n in tensors.names())
             runtime += 4 * params + CALIB_MEMORY_BYTES
@@ -160,7 +162,7 @@ def plan_conversion(
     dtype: str = "auto",
     init: str = "closed-form",
     max_shard_size: str | int = "5GB",
-    init_options: dict | None = None,
+    init_options: InitOptions | None = None,
     progress: bool = False,
     dry_run: bool = False,
     first_token: str = "dense",
@@ -182,9 +184,8 @@ def plan_conversion(
     dense_first = first_token == "dense"
     if init not in INITIALISERS:
         raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
-    init_options = dict(init_options or {})
-    if getattr(INITIALISERS[init], "needs_data", False) and not (init_options.get("calib_data")
-                                                                   or init_options.get("calib_generated") is not None):
+    init_options = replace(init_options or InitOptions())  # the plan's own: --layers auto adds its calibration
+    if INITIALISERS[init].needs_data and not init_options.has_text:
         raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text) "
                               f"or --calib-generate TOKENS (text sampled from the model itself)")
     auto_spec, layer_costs = None, None
@@ -193,8 +194,8 @@ def plan_conversion(
         auto_spec, stem_layers = layers, parse_layers(auto_fraction(layers), dense.num_hidden_layers)
     elif is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
         provisional = stem_config(dense, family, [0], init, torch.float32, False, dense_first)
-        stem_layers, init_options["calibration"], layer_costs = select_layers(layers, source, family, provisional, init,
-                                                                              init_options, progress)
+        stem_layers, init_options.calibration, layer_costs = select_layers(layers, source, family, provisional, init,
+                                                                           init_options, progress)
     else:
         stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = resolve_dtype(dtype, source)
@@ -402,7 +403,7 @@ def write_staged(out: Path, write) -> Path:
 
 
 def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> None:
-    init = INITIALISERS[plan.init](plan, progress=progress)  # calibrating inits read their data here
+    init = INITIALISERS[plan.init](plan.init_target, plan.init_options, progress=progress)  # calibrating inits read their data here
     write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, init.table_rows, plan.table_format,
                   plan.config.intermediate_size, plan.chunk_rows, directory, progress)
 

@@ -1,14 +1,17 @@
 """Calibrated initialisation: gate-weighted and plain per-token means, ridge fit for unseen tokens."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
 import stem_upcycle  # noqa: F401
-import stem_upcycle.calibrate as calibrate_module
+import stem_upcycle.table_init.calibrated as calibrate_module
 from stem_upcycle.cli import main
 from stem_upcycle.evaluate import evaluate
+from stem_upcycle.table_init import InitOptions
 
 from .conftest import save_tiny_tokenizer
 
@@ -139,7 +142,7 @@ def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_t
 
     import torch.nn.functional as F
 
-    import stem_upcycle.sensitivity as sensitivity
+    import stem_upcycle.table_init.layer_choice as sensitivity
 
     dense, src = dense_with_tokenizer()
     text = calib_text(tmp_path)
@@ -153,8 +156,8 @@ def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_t
     assert len(chosen) == 1 and set(costs) == {0, 1, 2} and chosen[0] == min(costs, key=costs.get)
     assert auto.config.stem_layer_costs == {str(k): round(v, 4) for k, v in costs.items()}  # kept for the user
     windows = calibrate_module.calibration_windows(
-        stem_upcycle.source.open_source(str(src)), {"calib_data": [str(text)], "calib_seq_len": 64,
-                                                    "calib_tokens": 131072})
+        stem_upcycle.source.open_source(str(src)), InitOptions(calib_data=[str(text)], calib_seq_len=64,
+                                                               calib_tokens=131072))
     scored = torch.tensor([0, len(windows) - 1])  # two windows spread over the text: its first and last
 
     def ppl(model, ids):
@@ -196,14 +199,14 @@ def test_processes_sharing_the_windows_give_the_calibration_of_one(dense_with_to
     from stem_upcycle.source import open_source
 
     _, src = dense_with_tokenizer()
-    options = {"calib_data": [str(calib_text(tmp_path, n=512))], "calib_seq_len": 32}
+    options = InitOptions(calib_data=[str(calib_text(tmp_path, n=512))], calib_seq_len=32)
     # A model per process, loaded here in turn: from_pretrained in two threads at once can leave
     # Transformers' meta-device initialisation patched in for every later model.
     models = [AutoModelForCausalLM.from_pretrained(src).eval() for _ in range(2)]
 
     def calibrated(model=None, **extra):
-        plan = plan_conversion(open_source(str(src)), layers="0,2", init="calib", init_options={**options, **extra})
-        return calibrate_module.CalibratedInit(plan, model=model)
+        plan = plan_conversion(open_source(str(src)), layers="0,2", init="calib", init_options=options)
+        return calibrate_module.CalibratedInit(plan.init_target, replace(options, dense_model=model, **extra))
 
     one = calibrated()
     barrier, parts, results = threading.Barrier(2), {}, {}

@@ -1,12 +1,14 @@
 """Text sampled from the dense model: seeded batches, the top-k start, the on-disk cache, calibration."""
 
 import json
+from dataclasses import replace
 
 import torch
 
-from stem_upcycle.calibrate import calibration_windows
 from stem_upcycle.generate import GeneratedText, Sampling, as_stream, sample_batch
 from stem_upcycle.source import open_source
+from stem_upcycle.table_init import InitOptions
+from stem_upcycle.table_init.calibrated import calibration_windows
 
 from .conftest import VOCAB, save_tiny_tokenizer, tiny_dense
 
@@ -82,13 +84,13 @@ def test_calibration_windows_take_text_first_then_generated_ids(tmp_path):
     _, tokenizer, source = _model_and_tokenizer(tmp_path)
     (tmp_path / "calib.txt").write_text(" ".join(f"w{i % 50}" for i in range(100)))
     generated = torch.arange(60, 90).repeat(2)  # 60 ids
-    options = {"calib_data": [str(tmp_path / "calib.txt")], "calib_tokens": 80, "calib_seq_len": 10,
-               "calib_generated": generated}
+    options = InitOptions(calib_data=[str(tmp_path / "calib.txt")], calib_tokens=80, calib_seq_len=10,
+                          calib_generated=generated)
     windows = calibration_windows(source, options)
     assert windows.shape == (8, 10)  # 20 text tokens + 60 generated = the budget of 80
     assert windows.flatten()[:20].tolist() == [i % 50 for i in range(20)]
     assert torch.equal(windows.flatten()[20:], generated)
-    only_generated = calibration_windows(source, {**options, "calib_data": []})
+    only_generated = calibration_windows(source, replace(options, calib_data=[]))
     assert torch.equal(only_generated.flatten(), generated)
 
 

@@ -17,6 +17,7 @@ from stem_upcycle.cli import main
 from stem_upcycle.convert import plan_conversion, run_conversion
 from stem_upcycle.source import open_source
 from stem_upcycle.training import checkpoint
+from stem_upcycle.table_init import InitOptions
 from stem_upcycle.training.tables import distinct_ids
 from stem_upcycle.training.recipe import load_recipe
 from stem_upcycle.training.trainer import Trainer
@@ -42,7 +43,7 @@ def workspace(tmp_path):
     (tmp_path / "train.txt").write_text(_markov_text(6000, 0))
     (tmp_path / "heldout.txt").write_text(_markov_text(800, 1))
     plan = plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init="calib",
-                           init_options={"calib_data": [str(tmp_path / "train.txt")], "calib_seq_len": 32})
+                           init_options=InitOptions(calib_data=[str(tmp_path / "train.txt")], calib_seq_len=32))
     run_conversion(plan, tmp_path / "stem", progress=False)
     return tmp_path
 

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import torch
 
+from ..convert import plan_conversion, run_conversion
 from ..generate import GeneratedText, Sampling, as_stream
 from ..source import open_source
+from ..table_init import INITIALISERS, InitOptions
+from ..table_init.calibrated import calibrated_ids, calibration_windows
+from ..table_init.layer_choice import is_auto
 from .data import eval_files, expand_files, heldout_paths
 from .recipe import RecipeError
 
@@ -63,42 +67,37 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
                               f"--table-dtype float32`), train OUT, then compress the result")
         return Path(start.directory or m.init_from), None
     init_dir = output / "init"
-    from ..calibrate import calibrated_ids, calibration_windows
-    from ..convert import plan_conversion, run_conversion
-    from ..initialisers import INITIALISERS
-    from ..sensitivity import is_auto
-
     heldout = heldout_paths(recipe)
     files = m.calib_data or recipe.data.train
     calib = [str(f) for f in expand_files(files, "model.calib_data") if f not in heldout] if files else []
-    options = {"calib_data": calib, "calib_tokens": m.calib_tokens, "calib_seq_len": m.calib_seq_len,
-               "heldout_data": {name: [str(f) for f in fs] for name, fs in eval_files(recipe).items()},
-               "dense_model": teacher}  # held-out text is never calibrated on either
+    options = InitOptions(calib_data=calib, calib_tokens=m.calib_tokens, calib_seq_len=m.calib_seq_len,
+                          heldout_data={name: [str(f) for f in fs] for name, fs in eval_files(recipe).items()},
+                          dense_model=teacher)  # held-out text is never calibrated on either
     if generated is not None and recipe.generated.calib_share:
         share = recipe.generated.calib_share if calib else 1.0
         stream = as_stream(generated, tokenizer.eos_token_id)  # as training packs it
-        options["calib_generated"] = stream[: round(m.calib_tokens * share)]
+        options.calib_generated = stream[: round(m.calib_tokens * share)]
     plan = None
     if not (init_dir / "config.json").exists():
         # --layers auto scores layers on the main process alone; an explicit layer set calibrates in every one
-        split = acc.num_processes > 1 and getattr(INITIALISERS[m.init], "needs_data", False) and not is_auto(m.layers)
+        split = acc.num_processes > 1 and INITIALISERS[m.init].needs_data and not is_auto(m.layers)
         if split:
-            options["shard"] = (acc.process_index, acc.num_processes, lambda t: acc.reduce(t, reduction="sum"))
+            options.shard = (acc.process_index, acc.num_processes, lambda t: acc.reduce(t, reduction="sum"))
         if split or acc.is_main_process:
             with acc.autocast():
                 plan = plan_conversion(source, layers=m.layers, init=m.init, dtype="float32",
                                        init_options=options, first_token=m.first_token)
                 if split:  # reused by the conversion below instead of calibrating again
-                    plan.init_options["calibration"] = INITIALISERS[m.init](
-                        plan, progress=progress and acc.is_main_process)
+                    plan.init_options.calibration = INITIALISERS[m.init](
+                        plan.init_target, plan.init_options, progress=progress and acc.is_main_process)
         if acc.is_main_process:
             print(plan.describe(), file=sys.stderr)
             run_conversion(plan, init_dir, overwrite=True, progress=progress,
                            command=f"stem-upcycle train (conversion of {m.source})")
     acc.wait_for_everyone()
     calibrated = None
-    if getattr(INITIALISERS[m.init], "needs_data", False):
-        done = plan.init_options.get("calibration") if plan is not None else None  # kept by --layers auto, split runs
+    if INITIALISERS[m.init].needs_data:
+        done = plan.init_options.calibration if plan is not None else None  # kept by --layers auto, split runs
         # Else (a plain conversion, a resumed run) from the text; a resumed --layers auto run then also counts the
         # windows its layer scoring kept out of the calibration.
         calibrated = done.seen if done is not None else calibrated_ids(calibration_windows(source, options),

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..families import family_for
-from ..init import mlp_projections
+from ..table_init.closed_form import mlp_projections
 from ..modeling.modeling_stem import StemMLP
 from .recipe import RecipeError
 from .tables import OffloadedTable, SharedTables

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..calibrate import skipped_positions
+from ..table_init.calibrated import skipped_positions
 from ..errors import UserError
 from ..loading import load_tokenizer, model_from_source
 from ..source import open_source

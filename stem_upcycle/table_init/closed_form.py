@@ -1,27 +1,12 @@
-"""Table initialisers: how the rows of a new STEM table are computed.
+"""`closed-form`: table rows from the dense weights alone, and the dense MLP projections every init reads."""
 
-An initialiser is built from the conversion plan and answers, per STEM layer, a function that fills
-rows [start, stop) of that layer's table into a given buffer. Conversion streams those rows to disk
-chunk by chunk, so an initialiser never returns a whole table. The registry is `initialisers.py`.
-"""
-
-from typing import Callable, Mapping, Protocol
+from typing import Mapping
 
 import torch
 
-from .families import EMBEDDING, Family, embed_multiplier, layer_name
-from .source import TensorStore
-
-RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [stop - start, d_ff])
-
-
-class TableInit(Protocol):
-    """Built from the conversion plan (source, family, layers, init_options); fills table rows."""
-
-    name: str
-    description: str
-
-    def table_rows(self, layer: int) -> RowsFn: ...
+from ..families import EMBEDDING, Family, embed_multiplier, layer_name
+from ..source import TensorStore
+from .protocol import InitOptions, InitTarget, RowsFn
 
 
 def mlp_projections(tensors: TensorStore | Mapping[str, torch.Tensor], family: Family,
@@ -54,8 +39,10 @@ class ClosedFormInit:
     name = "closed-form"
     description = "closed form W_up · norm(E[v]) (data-free; needs recovery training)"
 
-    def __init__(self, plan, progress: bool = False):
-        self.source, self.family = plan.source, plan.family
+    needs_data = False
+
+    def __init__(self, target: InitTarget, options: InitOptions | None = None, progress: bool = False):
+        self.source, self.family = target.source, target.family
         self.embedding = self.source.tensors.get(EMBEDDING)  # [vocab, d], kept in its stored dtype
         self.scale = embed_multiplier(self.family, self.source.config)
         self.eps = float(getattr(self.source.config, "rms_norm_eps", 1e-6))

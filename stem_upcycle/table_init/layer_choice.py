@@ -9,23 +9,24 @@ smallest ratio are converted. Single layers differ widely (SmolLM2-135M: layer 1
 ~1.1x, layer 29 ~2.8x), and where they sit in the stack is not what decides it.
 """
 
+import dataclasses
 import math
 import re
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .loading import model_from_source
-from .families import Family, layer_name
-from .init import mlp_projections
-from .initialisers import INITIALISERS
-from .layers import LayerSpecError, parse_layers
-from .modeling.modeling_stem import StemMLP
-from .modeling.stem_tables import IdHandoff
+from ..families import Family, layer_name
+from ..layers import LayerSpecError, parse_layers
+from ..loading import model_from_source
+from ..modeling.modeling_stem import StemMLP
+from ..modeling.stem_tables import IdHandoff
+from . import INITIALISERS
+from .closed_form import mlp_projections
+from .protocol import InitOptions, InitTarget
 
 AUTO = re.compile(r"auto\s*:\s*(\d+\s*/\s*\d+)")
 MEASURE_WINDOWS = 8  # windows of the calibration text, left out of it, each layer is scored on
@@ -41,21 +42,20 @@ def auto_fraction(spec: str) -> str:
 
 
 def check_auto(spec: str, init: str) -> None:
-    if not getattr(INITIALISERS[init], "needs_data", False):
+    if not INITIALISERS[init].needs_data:
         raise LayerSpecError(f"--layers {spec} measures each layer with calibrated rows: use --init calib "
                              f"(or calib-mean) with --calib-data")
 
 
-def select_layers(spec: str, source, family: Family, config, init: str, options: dict, progress: bool = True):
+def select_layers(spec: str, source, family: Family, config, init: str, options: InitOptions, progress: bool = True):
     """(layers, calibrated init covering every layer, {layer: perplexity ratio converted alone}) for
     `auto:FRACTION`."""
     count = len(parse_layers(auto_fraction(spec), config.num_hidden_layers))
     check_auto(spec, init)
-    model = options.get("dense_model") or model_from_source(source)
+    model = options.dense_model or model_from_source(source)
     every = list(range(config.num_hidden_layers))
-    plan = SimpleNamespace(source=source, family=family, layers=every, config=config,
-                           init_options={**options, "scoring_windows": MEASURE_WINDOWS})
-    calibrated = INITIALISERS[init](plan, progress=progress, model=model)
+    options = dataclasses.replace(options, dense_model=model, scoring_windows=MEASURE_WINDOWS)
+    calibrated = INITIALISERS[init](InitTarget(source, family, config, every), options, progress=progress)
     costs = measure_costs(model, calibrated, family, config, calibrated.scoring_windows)
     chosen = sorted(sorted(every, key=costs.__getitem__)[:count])
     ranked = ", ".join(f"{i}: {costs[i]:.3f}x" for i in sorted(every, key=costs.__getitem__))

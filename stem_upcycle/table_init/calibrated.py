@@ -10,7 +10,7 @@ closed-form inputs norm_l(E[v]) of the tokens that were seen.
 Accumulators hold one row per distinct calibration token and layer; when they exceed the memory
 budget the layers are calibrated in groups, one pass over the corpus per group. The dense model
 reads the corpus where it is (a GPU if the caller put it there), in its dtype; the accumulators
-are fp32. Several processes can share the work (`init_options["shard"] = (rank, world, reduce)`):
+are fp32. Several processes can share the work (`InitOptions.shard = (rank, world, reduce)`):
 each reads every world-th window and the accumulators are summed across them by `reduce`.
 """
 
@@ -21,10 +21,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers.activations import ACT2FN
 
-from .errors import UserError
-from .evaluate import read_token_ids
-from .loading import load_tokenizer, model_from_source
-from .init import ClosedFormInit, RowsFn, mlp_projections
+from ..errors import UserError
+from ..evaluate import read_token_ids
+from ..loading import load_tokenizer, model_from_source
+from .closed_form import ClosedFormInit, mlp_projections
+from .protocol import InitOptions, InitTarget, RowsFn
 
 CALIB_MEMORY_BYTES = 2 * 2**30  # accumulators held at once, all layers of a pass together
 RIDGE = 1e-3  # ridge strength, relative to the mean eigenvalue of X^T X
@@ -38,17 +39,17 @@ class _StopForward(Exception):
     """Raised after the last STEM layer of a pass: later layers are not needed."""
 
 
-def calibration_windows(source, options: dict) -> torch.Tensor:
+def calibration_windows(source, options: InitOptions) -> torch.Tensor:
     """[n, seq_len] token ids: the calibration text's, then those of `calib_generated` (ids sampled from the
     dense model itself, see generate.py), together at most `calib_tokens`; a tail that fills no window is dropped."""
-    seq_len = options.get("calib_seq_len", 512)
-    generated = options.get("calib_generated")
+    seq_len = options.calib_seq_len
+    generated = options.calib_generated
     generated = torch.zeros(0, dtype=torch.long) if generated is None else generated.flatten().long()
-    total = options.get("calib_tokens")
+    total = options.calib_tokens
     text_budget = None if total is None else max(0, total - generated.numel())
     parts = [generated[:total]]
-    if options.get("calib_data") and text_budget != 0:
-        parts.insert(0, read_token_ids(options["calib_data"], load_tokenizer(source), text_budget))
+    if options.calib_data and text_budget != 0:
+        parts.insert(0, read_token_ids(options.calib_data, load_tokenizer(source), text_budget))
     ids = torch.cat(parts)
     if ids.numel() < seq_len:
         raise CalibrationError(f"the calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
@@ -95,16 +96,15 @@ class CalibratedInit(ClosedFormInit):
     gate_weighted = True
     needs_data = True
 
-    def __init__(self, plan, progress: bool = False, model=None):
-        """`model`: the dense model already loaded (also taken from init_options["dense_model"]); else loaded here."""
-        super().__init__(plan)
+    def __init__(self, target: InitTarget, options: InitOptions, progress: bool = False):
+        super().__init__(target)
         self.progress = progress
-        reused = plan.init_options.get("calibration")  # computed already, for every layer, by --layers auto
+        reused = options.calibration  # computed already, for every layer, by --layers auto
         if isinstance(reused, CalibratedInit) and reused.gate_weighted == self.gate_weighted:
             self.seen, self.means, self.projections = reused.seen, reused.means, reused.projections
             return
-        self.windows = calibration_windows(self.source, plan.init_options)
-        if scoring := plan.init_options.get("scoring_windows", 0):  # kept out of the calibration (--layers auto)
+        self.windows = calibration_windows(self.source, options)
+        if scoring := options.scoring_windows:  # kept out of the calibration (--layers auto)
             if len(self.windows) <= 2 * scoring:
                 raise CalibrationError(f"--layers auto scores each layer on {scoring} windows kept out of the "
                                        f"calibration; give more than {2 * scoring * self.windows.shape[1]} "
@@ -113,12 +113,12 @@ class CalibratedInit(ClosedFormInit):
             kept = torch.ones(len(self.windows), dtype=torch.bool)
             kept[picked] = False
             self.scoring_windows, self.windows = self.windows[picked], self.windows[kept]
-        self.seen = calibrated_ids(self.windows, plan.config)  # sorted ids the corpus calibrates
-        model = model or plan.init_options.get("dense_model") or model_from_source(self.source)
-        self.means = self._calibrate(plan, self.windows, model)  # layer -> [n_seen, d_ff]
-        self.projections = {layer: self._fit_projection(layer) for layer in plan.layers}
-        vocab = plan.config.vocab_size
-        rank, world, _ = plan.init_options.get("shard", (0, 1, None))
+        self.seen = calibrated_ids(self.windows, target.config)  # sorted ids the corpus calibrates
+        model = options.dense_model or model_from_source(self.source)
+        self.means = self._calibrate(target, options.shard or (0, 1, None), self.windows, model)  # layer -> [n_seen, d_ff]
+        self.projections = {layer: self._fit_projection(layer) for layer in target.layers}
+        vocab = target.config.vocab_size
+        rank, world, _ = options.shard or (0, 1, None)
         if rank:
             return  # the main process reports
         print(
@@ -127,29 +127,28 @@ class CalibratedInit(ClosedFormInit):
             + "; unseen tokens use the ridge fit",
             file=sys.stderr,
         )
-        if heldout := plan.init_options.get("heldout_data"):  # how much of the text to be scored has calibrated rows
-            sets = heldout if isinstance(heldout, dict) else {"held-out": heldout}  # {set: files}, or files
+        if options.heldout_data:  # how much of the text to be scored has calibrated rows
             tokenizer = load_tokenizer(self.source)
             shares = {name: torch.isin(read_token_ids(files, tokenizer, None), self.seen).float().mean().item()
-                      for name, files in sets.items()}
+                      for name, files in options.heldout_data.items()}
             print("calibrated rows cover " + ", ".join(f"{share:.1%} of {name}" for name, share in shares.items())
                   + " (held-out tokens)", file=sys.stderr)
 
-    def _calibrate(self, plan, windows: torch.Tensor, model) -> dict[int, torch.Tensor]:
-        compact = torch.full((plan.config.vocab_size,), -1, dtype=torch.long)
+    def _calibrate(self, target: InitTarget, shard, windows: torch.Tensor, model) -> dict[int, torch.Tensor]:
+        compact = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
         compact[self.seen] = torch.arange(self.seen.numel())
-        d_ff = plan.config.intermediate_size
+        d_ff = target.config.intermediate_size
         per_layer = self.seen.numel() * d_ff * 4 * 2
         group = max(1, CALIB_MEMORY_BYTES // per_layer)
-        activation = ACT2FN[plan.config.stem_activation]
-        skip = skipped_positions(plan.config)
+        activation = ACT2FN[target.config.stem_activation]
+        skip = skipped_positions(target.config)
         device = model.device  # accumulate where the model runs (the teacher may already sit on a GPU)
         compact = compact.to(device)
-        rank, world, reduce = plan.init_options.get("shard", (0, 1, None))
+        rank, world, reduce = shard
         windows = windows[rank::world]  # this process's share of the text
         means = {}
-        for first in range(0, len(plan.layers), group):
-            layers = plan.layers[first : first + group]
+        for first in range(0, len(target.layers), group):
+            layers = target.layers[first : first + group]
             sums = {layer: (torch.zeros(self.seen.numel(), d_ff, device=device),
                             torch.zeros(self.seen.numel(), d_ff, device=device)) for layer in layers}
             current = {}

@@ -1,0 +1,57 @@
+"""What a table initialiser is given and what it answers.
+
+An initialiser is built from an `InitTarget` (the checkpoint and the layers whose tables it fills) and
+`InitOptions` (what it may read besides the checkpoint), and answers, per STEM layer, a function that
+fills rows [start, stop) of that layer's table into a given buffer. Conversion streams those rows to
+disk chunk by chunk, so an initialiser never returns a whole table.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..families import Family
+from ..source import Source
+
+RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [stop - start, d_ff])
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # an all-reduce (sum) across processes
+
+
+@dataclass(frozen=True)
+class InitTarget:
+    """The tables to fill: the dense checkpoint, its family, the STEM model's config, the STEM layers."""
+
+    source: Source
+    family: Family
+    config: Any  # StemConfig (stem_activation, stem_dense_first_token, vocab and d_ff)
+    layers: list[int]
+
+
+@dataclass
+class InitOptions:
+    """What an initialiser may read besides the checkpoint. Only calibrating inits (`needs_data`) read any."""
+
+    calib_data: list[str] = field(default_factory=list)  # files of the user's text
+    calib_tokens: int | None = None  # at most this many calibration tokens (generated ones included); None: all
+    calib_seq_len: int = 512  # tokens per calibration window
+    calib_generated: torch.Tensor | None = None  # a token stream sampled from the dense model itself (generate.py)
+    heldout_data: dict[str, list[str]] | None = None  # {set: files} never calibrated on; their coverage is reported
+    dense_model: Any = None  # the dense model already loaded (e.g. a teacher on a GPU); else loaded when needed
+    shard: tuple[int, int, Reduce] | None = None  # (rank, world, reduce): this process calibrates every world-th window
+    calibration: Any = None  # a calibration of every layer made already (by --layers auto), reused as it is
+    scoring_windows: int = 0  # windows kept out of the calibration to score layers on (--layers auto)
+
+    @property
+    def has_text(self) -> bool:
+        return bool(self.calib_data) or self.calib_generated is not None
+
+
+class TableInit(Protocol):
+    name: str  # what `--init` calls it
+    description: str  # one line for the plan and the model card
+    needs_data: bool  # reads calibration text (and so the dense model), not the checkpoint alone
+
+    def __init__(self, target: InitTarget, options: InitOptions, progress: bool = False): ...
+
+    def table_rows(self, layer: int) -> RowsFn: ...
