@@ -27,7 +27,7 @@ from stem_upcycle.families import family_for  # noqa: E402
 from stem_upcycle.layers import parse_layers  # noqa: E402
 from stem_upcycle.source import open_source  # noqa: E402
 from stem_upcycle.table_init import InitOptions, InitTarget  # noqa: E402
-from stem_upcycle.table_init.calibrated import CalibratedInit, fit_ridge  # noqa: E402
+from stem_upcycle.table_init.calibrated import CalibratedInit, fit_projection  # noqa: E402
 from stem_upcycle.table_init.closed_form import mlp_projections  # noqa: E402
 from stem_upcycle.table_init.layer_choice import measure_costs, perplexity_with  # noqa: E402
 
@@ -39,7 +39,7 @@ def unseen_row_errors(calibrated: CalibratedInit, layer: int, generator: torch.G
     fit[hidden] = False
     x = calibrated.mlp_inputs(layer, calibrated.embedding[seen])
     target = means[hidden]
-    projection = fit_ridge(x[fit], means[fit])
+    projection = fit_projection(x[fit], means[fit])
     up = mlp_projections(calibrated.source.tensors, calibrated.family, layer)
     closed = x[hidden] @ up["up"].float().T + (0 if up["up_bias"] is None else up["up_bias"].float())
     predictions = {

@@ -6,10 +6,9 @@ from .table_init import INITIALISERS
 
 UNTRAINED_WARNING = (
     "A freshly converted STEM model is worse than its dense base, by how much depends on the layers "
-    "converted and the table init (measured on SmolLM2-135M with every third layer: 5.7e4 perplexity "
-    "with the data-free closed-form init, 3x its base with --init calib). Recovery training "
-    "(`stem-upcycle train`) closes part of the gap; measure this model against its base with "
-    "`stem-upcycle eval MODEL --data FILE --reference BASE`."
+    "converted and the table init (the data-free closed-form init breaks a model; --init calib keeps it "
+    "usable). Recovery training (`stem-upcycle train`) closes part of the gap; measure this model against "
+    "its base with `stem-upcycle eval MODEL --data FILE --reference BASE`."
 )
 
 

@@ -42,23 +42,29 @@ class MemoryTable(nn.Embedding):
         return super().forward(forward.on(self.weight.device)).to(device, dtype)  # [*lookup, d_ff]
 
 
+def fit_ridge(x: torch.Tensor, y: torch.Tensor, strength: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge regression y ~ x @ weight + bias for x [n, d], y [n, d_out]: (weight [d, d_out], bias [d_out]).
+    Fitted on centred data, so that the ridge (`strength` times the mean eigenvalue of x^T x) acts on x alone.
+    Rows of tokens no text showed: new tokens (`resize_token_embeddings`) and the calibrated inits' unseen ones."""
+    x_mean, y_mean = x.mean(0), y.mean(0)
+    x, y = x - x_mean, y - y_mean
+    gram = x.T @ x
+    gram += strength * gram.diagonal().mean() * torch.eye(len(gram), device=gram.device, dtype=gram.dtype)
+    weight = torch.linalg.solve(gram, x.T @ y)  # [d, d_out]
+    return weight, y_mean - x_mean @ weight
+
+
 def _resized_table(table: MemoryTable, embedding: torch.Tensor, old: int, new: int) -> MemoryTable:
     """`table` [old, d_ff] cut or grown to [new, d_ff]. A new row is a ridge fit of the rows on the
-    embedding rows (centred, so that the ridge acts on the embedding alone) of up to 8192 evenly
-    spaced old tokens, applied to the new token's embedding."""
+    embedding rows of up to 8192 evenly spaced old tokens, applied to the new token's embedding."""
     resized = MemoryTable(new, table.weight.shape[1], device=table.weight.device, dtype=table.weight.dtype)
     kept = min(old, new)
     with torch.no_grad():
         resized.weight[:kept] = table.weight[:kept]
         if new > old:
             sample = torch.linspace(0, old - 1, min(old, 8192), device=embedding.device).long()
-            x, y = embedding[sample].float(), table.weight[sample].float()  # [n, d], [n, d_ff]
-            x_mean, y_mean = x.mean(0), y.mean(0)
-            x, y = x - x_mean, y - y_mean
-            gram = x.T @ x
-            gram += 1e-3 * gram.diagonal().mean() * torch.eye(len(gram), device=gram.device)
-            fit = torch.linalg.solve(gram, x.T @ y)  # [d, d_ff]
-            added = (embedding[old:new].float() - x_mean) @ fit + y_mean
+            weight, bias = fit_ridge(embedding[sample].float(), table.weight[sample].float())  # [d, d_ff], [d_ff]
+            added = torch.addmm(bias, embedding[old:new].float(), weight)
             resized.weight[old:] = added.to(resized.weight.dtype)
     resized.weight.requires_grad_(table.weight.requires_grad)
     return resized

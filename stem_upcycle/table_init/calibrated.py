@@ -24,11 +24,11 @@ from transformers.activations import ACT2FN
 from ..errors import UserError
 from ..evaluate import read_token_ids
 from ..loading import load_tokenizer, model_from_source
+from ..modeling.modeling_stem import fit_ridge
 from .closed_form import ClosedFormInit, mlp_projections
 from .protocol import InitOptions, InitTarget, RowsFn
 
 CALIB_MEMORY_BYTES = 2 * 2**30  # accumulators held at once, all layers of a pass together
-RIDGE = 1e-3  # ridge strength, relative to the mean eigenvalue of X^T X
 
 
 class CalibrationError(UserError):
@@ -82,12 +82,10 @@ def in_fp32(fn):
 
 
 @in_fp32
-def fit_ridge(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Ridge regression [x, 1] -> y; returns [d + 1, d_out] (the last row is the intercept)."""
-    x = torch.cat([x, torch.ones(x.shape[0], 1)], 1)  # [n, d + 1]
-    gram = x.T @ x
-    gram += torch.eye(gram.shape[0]) * RIDGE * gram.diagonal().mean()
-    return torch.linalg.solve(gram, x.T @ y)
+def fit_projection(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The ridge fit x -> y as one matrix [d + 1, d_out], the last row the intercept (`torch.addmm(p[-1], x, p[:-1])`)."""
+    weight, bias = fit_ridge(x, y)
+    return torch.cat([weight, bias[None]])
 
 
 class CalibratedInit(ClosedFormInit):
@@ -200,7 +198,7 @@ class CalibratedInit(ClosedFormInit):
         return hook
 
     def _fit_projection(self, layer: int) -> torch.Tensor:
-        return fit_ridge(self.mlp_inputs(layer, self.embedding[self.seen]), self.means[layer])
+        return fit_projection(self.mlp_inputs(layer, self.embedding[self.seen]), self.means[layer])
 
     def table_rows(self, layer: int) -> RowsFn:
         projection, means = self.projections[layer], self.means[layer]
