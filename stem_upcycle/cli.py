@@ -148,7 +148,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
     click.echo(f"note: {UNTRAINED_WARNING}", err=True)
 
 
-def generated_calibration(source, model, tokens: int, calib_tokens: int, progress: bool) -> "torch.Tensor":
+def generated_calibration(source, model, tokens: int, calib_tokens: int, progress: bool):
     """A stream of `tokens` token ids sampled from the source model `model`, to calibrate on."""
     from .loading import load_tokenizer
     from .generate import GeneratedText, Sampling, as_stream

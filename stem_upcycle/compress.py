@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table, check_output, chunk_rows,
-                      parse_shard_size, resolve_table_format, tensor_order_key, write_staged, write_tensors)
+                      parse_shard_size, resolve_table_format, tensor_order_key, write_tensors)
+from .atomic import write_staged
 from .families import STEM_TABLE_PREFIX, layer_name
 from .loading import stem_tables
 from .modeling.table_format import TableFormat

@@ -24,7 +24,8 @@ from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE_PREFIX, STEM_UP,
 from .layers import DEFAULT_LAYERS, parse_layers
 from .modeling import StemConfig
 from .modeling.table_format import TableFormat, TableFormatError
-from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards, staging_dir
+from .atomic import write_staged
+from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
 from .source import DTYPES, TOKENIZER_FILES, Source
 from .table_init import INITIALISERS, InitOptions, InitTarget
 from .table_init.layer_choice import auto_fraction, check_auto, is_auto, select_layers
@@ -118,7 +119,6 @@ class ConversionPlan:
 
     def describe(self) -> str:
         cfg, gb = self.config, 1e9
-        tables = self.table_specs
         lines = [
             f"source     {self.source.spec} ({cfg.dense_model_type}, {cfg.num_hidden_layers} layers, "
             f"vocab {cfg.vocab_size}, d {cfg.hidden_size}, d_ff {cfg.intermediate_size})",
@@ -388,20 +388,6 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
     return write_staged(out, write)
 
 
-def write_staged(out: Path, write) -> Path:
-    """`write(folder)` into a hidden staging folder beside OUT, moved into place only once it returned;
-    removed if it raised."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(out.parent, f".{out.name}")
-    try:
-        write(staging)
-        move_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
-
-
 def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> None:
     init = INITIALISERS[plan.init](plan.init_target, plan.init_options, progress=progress)  # calibrating inits read their data here
     write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, init.table_rows, plan.table_format,
@@ -496,15 +482,3 @@ def _write_tokenizer(source: Source, directory: Path) -> None:
 
     path, kwargs = source.tokenizer_args
     AutoTokenizer.from_pretrained(path, **kwargs).save_pretrained(directory)
-
-
-def move_into_place(staging: Path, out: Path) -> None:
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    if out.exists():  # --overwrite: swap, then delete the old model
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        staging.rename(out)
-        shutil.rmtree(old)
-    else:
-        staging.rename(out)

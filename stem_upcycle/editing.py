@@ -17,7 +17,6 @@ length, `MODES` say which target rows each source token reads (the STEM authors'
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .atomic import staged_file, write_staged
 from .errors import UserError
 from .loading import stem_layers_of, stem_tables
 from .modeling.stem_tables import RowEdit, TableFile
@@ -394,10 +394,10 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
     placed = stem_tables(open_source(str(model_dir)), plan.layers)
     tables = placed.stored
     changes = edited_rows(plan, placed.read_parts, lambda layer: tables[layer].format)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
-        edited_files = {Path(part.path).name for layer in changes for part in tables[layer].parts.values()}
+    edited_files = {Path(part.path).name for layer in changes for part in tables[layer].parts.values()}
+    records = []
+
+    def write(work: Path) -> None:
         shutil.copytree(model_dir, work, dirs_exist_ok=True, symlinks=False,
                         copy_function=lambda s, d: (shutil.copyfile if Path(s).name in edited_files and
                                                     Path(s).parent == model_dir else _link_or_copy)(s, d))
@@ -405,12 +405,10 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
             for part, rows in new.items():
                 where = tables[layer].parts[part]
                 _write_rows(work / Path(where.path).name, where, ids, rows)
-        record = _record_edit(work, config, plan, changes, tables, tokenizer, command)
-        os.replace(work, out_dir) if out_dir.exists() else work.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return record
+        records.append(_record_edit(work, config, plan, changes, tables, tokenizer, command))
+
+    write_staged(out_dir, write)
+    return records[0]
 
 
 def check_output(out_dir, model_dir) -> None:
@@ -475,11 +473,9 @@ def undo_edits(model_dir, out_dir=None) -> int:
     if out_dir is not None:
         out_dir = Path(out_dir)
         check_output(out_dir, model_dir)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-    target = model_dir if out_dir is None else Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-",
-                                                                      dir=out_dir.parent))
-    try:
-        if out_dir is not None:
+
+    def restore(target: Path) -> None:
+        if target != model_dir:
             shutil.copytree(model_dir, target, dirs_exist_ok=True, copy_function=_link_or_copy,
                             ignore=lambda d, names: [EDITS_FOLDER] if Path(d) == model_dir else [])
         tables = stem_tables(open_source(str(model_dir))).stored
@@ -504,17 +500,12 @@ def undo_edits(model_dir, out_dir=None) -> int:
                 else:
                     (target / name).unlink(missing_ok=True)
         shutil.rmtree(target / EDITS_FOLDER, ignore_errors=True)  # last: an interrupted undo can be run again
-        if out_dir is not None:
-            target.rename(out_dir) if not out_dir.exists() else os.replace(target, out_dir)
-    except BaseException:
-        if out_dir is not None:
-            shutil.rmtree(target, ignore_errors=True)
-        raise
+
+    restore(model_dir) if out_dir is None else write_staged(out_dir, restore)
     return len(edits)
 
 
 def _replace_bytes(path: Path, data: bytes) -> None:
     """Write `path` as a new file (never into the old one, which may be a link to MODEL's)."""
-    temporary = path.with_name(f".{path.name}.restoring")
-    temporary.write_bytes(data)
-    os.replace(temporary, path)
+    with staged_file(path) as partial:
+        partial.write_bytes(data)

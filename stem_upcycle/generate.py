@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from .atomic import staged_file
 from .source import Source
 
 CACHE_ENV = "STEM_UPCYCLE_CACHE"
@@ -141,9 +142,8 @@ class GeneratedText:
         bar = tqdm(todo, desc="generate", unit="batch", disable=not progress, file=sys.stderr)
         for b in bar:
             ids = sample_batch(model, tokenizer, self.sampling, b)
-            partial = self._batch(b).with_suffix(f".partial-{os.getpid()}")
-            save_file({"ids": ids}, partial)
-            partial.rename(self._batch(b))  # a batch file exists only once it is complete
+            with staged_file(self._batch(b)) as partial:  # a batch file exists only once it is complete
+                save_file({"ids": ids}, partial)
             tokens += ids.numel()
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
         seconds = time.perf_counter() - started

@@ -6,12 +6,10 @@ has to be whole in memory. A background thread does the writing so that computin
 overlaps with writing the last one.
 """
 
-import glob
 import json
 import math
 import os
 import queue
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,31 +34,6 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-def staging_dir(parent: Path, name: str) -> Path:
-    """A fresh, empty `parent/name.partial-PID`, to be renamed into place once complete.
-
-    Staging directories of runs that were killed (SIGKILL, power loss: no `finally` ran), known by a
-    PID that no longer runs, are removed first; they only ever hold half-written output."""
-    for stale in parent.glob(f"{glob.escape(name)}.partial-*"):
-        pid = stale.name.rpartition("-")[2]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    staging = parent / f"{name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    return staging
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:

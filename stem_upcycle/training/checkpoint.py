@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import UserError
-from ..shards import staging_dir
+from ..atomic import staging_dir
 
 # Keys that may change between a run and its resume without changing what was computed so far.
 RESUMABLE_CHANGES = {("train", "steps"), ("train", "eval_every"), ("train", "checkpoint_every"),

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ..convert import resolve_dtype, tensor_order_key
 from ..families import STEM_TABLE, layer_name
-from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards, staging_dir
+from ..atomic import staging_dir
+from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards
 from ..source import open_source
 
 MAX_SHARD_BYTES = 5 * 10**9  # convert's default --max-shard-size

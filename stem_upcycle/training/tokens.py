@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..atomic import staged_file
 from ..documents import PIECE_BYTES, DataError, Piece, documents_of, plan_pieces
 
 BATCH_PIECES = 2 * (os.cpu_count() or 1)  # pieces encoded at once, in parallel by the tokenizer's thread pool
@@ -127,14 +128,12 @@ def _join(folder: Path, staging: Path, world: int, dtype: np.dtype) -> None:
     counts = [json.loads((staging / f"part-{r}.json").read_text()) for r in range(world)]
     parts = [(staging / f"part-{r}.bin").open("rb") for r in range(world)]
     total = sum(map(sum, counts))
-    partial = folder / f"tokens.bin.partial-{os.getpid()}"
-    with partial.open("wb") as out:
+    with staged_file(folder / "tokens.bin") as partial, partial.open("wb") as out:
         for i in range(sum(map(len, counts))):
             r = i % world
             out.write(parts[r].read(counts[r][i // world] * dtype.itemsize))
     for f in parts:
         f.close()
-    partial.rename(folder / "tokens.bin")
     (folder / "meta.json").write_text(json.dumps({"tokens": total, "dtype": dtype.name, "format": FORMAT}) + "\n")
     shutil.rmtree(staging, ignore_errors=True)
 
