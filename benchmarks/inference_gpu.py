@@ -8,7 +8,8 @@ UNTESTED: no GPU was available where this was written. It is the one script to r
    that forwards evict and long prompts are staged) and `mmap` against `memory`, all with
    `device_map="cuda"`: prefill logits, greedy decoding with `generate()` (scores), a left-padded
    batch, a forward after evictions; also `device_map` with half the layers offloaded to the CPU.
-   The tables must not be in VRAM: allocated bytes after loading ~ the dense weights only.
+   The tables must not be in VRAM: allocated bytes after loading ~ the dense weights only. Then the
+   same model with int4 tables: `host` and `mmap` against `memory`.
 2. Speed (bf16, a Llama-3.2-1B-shaped random STEM model with 5 of 16 layers; its dense parent has the
    same dense weights): load time, VRAM after loading and peak, prefill tok/s (512 tokens), decode
    tok/s (128 greedy tokens, batch 1, KV cache), for dense / memory (tables in VRAM) / host / mmap;
@@ -104,6 +105,31 @@ def check_equality(work: Path) -> None:
         del model
         free()
     print(f"memory placement VRAM: {memory.get_memory_footprint() / 2**20:.0f} MiB", flush=True)
+    del memory
+    free()
+    check_compressed(stem_dir, work / "small" / "int4", prompt, mask)
+
+
+@torch.no_grad()
+def check_compressed(stem_dir: Path, out: Path, prompt: torch.Tensor, mask: torch.Tensor, device: str = "cuda") -> None:
+    """int4 tables (`stem-upcycle compress`): `host` (rows copied as stored, decoded on the GPU) and `mmap` give
+    the logits of `memory` (compressed tensors on the GPU, decoded there). `device`: the CPU in the tests."""
+    from stem_upcycle.compress import plan_compression, run_compression
+    from stem_upcycle.source import open_source
+
+    if not (out / "config.json").exists():
+        run_compression(plan_compression(open_source(str(stem_dir)), "int4"), out, progress=False)
+    memory = load(out, device_map=device, stem_tables="memory")
+    want = memory(prompt, attention_mask=mask).logits
+    for placement, kwargs in (("host", dict(stem_cache_rows=64)), ("mmap", {})):
+        model = load(out, device_map=device, stem_tables=placement, **kwargs)
+        torch.testing.assert_close(model(prompt, attention_mask=mask).logits, want, rtol=1e-5, atol=1e-5)
+        for length in (5, 70, 3):  # staged, then cached and evicted rows
+            x = torch.randint(0, memory.config.vocab_size, (1, length), device=device)
+            torch.testing.assert_close(model(x).logits, memory(x).logits, rtol=1e-5, atol=1e-5)
+        print(f"equal to memory, int4 tables: {placement}", flush=True)
+        del model
+        free()
     del memory
     free()
 

@@ -12,15 +12,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=True)
 
 
 def test_inference_gpu_builds_the_stem_model_in_its_dtype_with_the_dense_weights(tmp_path):
     sys.path.insert(0, str(ROOT))
     from benchmarks.inference_gpu import make
 
-    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=True)
-    dense_dir, stem_dir = make(tmp_path, shape, [0, 2], torch.bfloat16, device="cpu")
+    dense_dir, stem_dir = make(tmp_path, TINY, [0, 2], torch.bfloat16, device="cpu")
     dense = AutoModelForCausalLM.from_pretrained(dense_dir)
     stem = AutoModelForCausalLM.from_pretrained(stem_dir, stem_tables="memory")
     assert dense.dtype == stem.dtype == stem.model.layers[0].mlp.up_table.weight.dtype == torch.bfloat16
@@ -30,6 +30,19 @@ def test_inference_gpu_builds_the_stem_model_in_its_dtype_with_the_dense_weights
         if "up_table" not in name:
             assert torch.equal(tensor, dense_weights[name]), name
     assert float(stem.model.layers[2].mlp.up_table.weight.float().std()) > 0  # random, not empty
+
+
+def test_inference_gpu_compressed_check_runs_with_the_cpu_as_its_device(tmp_path, host_on_cpu, capsys):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.inference_gpu import check_compressed, make
+
+    _, stem_dir = make(tmp_path, TINY | {"intermediate_size": 128}, [0, 2], torch.float32, device="cpu")
+    prompt = torch.randint(0, TINY["vocab_size"], (2, 12))
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    check_compressed(stem_dir, tmp_path / "int4", prompt, mask, device="cpu")
+    assert capsys.readouterr().out.count("equal to memory, int4 tables") == 2
+    assert json.loads((tmp_path / "int4" / "config.json").read_text())["stem_table_format"]["dtype"] == "int4"
 
 
 @pytest.mark.slow
