@@ -16,13 +16,11 @@ from pathlib import Path
 
 import torch
 
+from .modeling.stem_tables import SAFETENSORS_DTYPES
+
 INDEX_NAME = "model.safetensors.index.json"
 
-DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
+DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}  # torch dtype -> safetensors' code
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from .errors import UserError
-from .shards import DTYPE_CODES
+from .modeling.stem_tables import SAFETENSORS_DTYPES
 
 # What a checkpoint folder holds besides its weights, and the dtypes its weights may be written in.
 TOKENIZER_FILES = (
@@ -58,7 +58,6 @@ class TensorStore:
         return name in set(self.names())
 
 
-_SAFETENSORS_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}  # safetensors' dtype code -> torch
 
 
 class SafetensorsStore(TensorStore):
@@ -78,7 +77,7 @@ class SafetensorsStore(TensorStore):
         return tuple(self._where[name].get_slice(name).get_shape())
 
     def dtype(self, name):
-        return _SAFETENSORS_DTYPES[self._where[name].get_slice(name).get_dtype()]
+        return SAFETENSORS_DTYPES[self._where[name].get_slice(name).get_dtype()]
 
     def get(self, name):
         return self._where[name].get_tensor(name)

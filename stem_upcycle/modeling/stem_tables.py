@@ -33,9 +33,13 @@ from .table_format import FLOAT_DTYPES, TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
 DEFAULT_CACHE_ROWS = 2048  # the official STEM engine's LFU cache size
-# The codes of shards.DTYPE_CODES that tables are stored in: this file is exported next to the weights and imports only torch.
-SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                      "I8": torch.int8, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
+# safetensors' dtype codes; the one table of them (shards.py and source.py read it too): this file is exported
+# next to the weights and imports only torch.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class StemTablesError(ValueError):
