@@ -13,7 +13,8 @@ from .editing import MODES
 from .errors import UserError
 from .table_init import INITIALISERS
 from .layers import DEFAULT_LAYERS
-from .modeling.stem_tables import PLACEMENTS, StemTablesError
+from .modeling.stem_tables import PLACEMENTS
+from .modeling.table_files import StemTablesError
 from .modeling.table_format import COMPRESSED, TABLE_DTYPES
 
 # `compress`'s default: the smallest format within its target on every held-out set (int4: perplexity within 2%

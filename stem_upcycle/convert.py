@@ -31,7 +31,8 @@ from .table_init import INITIALISERS, InitOptions, InitTarget
 from .table_init.layer_choice import auto_fraction, check_auto, is_auto, select_layers
 
 MODELING_DIR = Path(__file__).parent / "modeling"
-MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "stem_tables.py", "table_format.py")
+MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "forward_ids.py", "stem_tables.py", "table_files.py",
+                  "table_format.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_stem.StemConfig",
     "AutoModel": "modeling_stem.StemModel",

@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 from .atomic import staged_file, write_staged
 from .errors import UserError
 from .loading import stem_layers_of, stem_tables
-from .modeling.stem_tables import RowEdit, TableFile
+from .modeling.forward_ids import RowEdit
+from .modeling.table_files import TableFile
 from .source import open_source
 
 MODES = {

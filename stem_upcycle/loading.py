@@ -53,7 +53,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, stem_tables: str |
 def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_tables: str | None = None):
     from transformers import AutoModelForCausalLM
 
-    from .modeling.stem_tables import StemTablesError
+    from .modeling.table_files import StemTablesError
 
     if source.directory is not None:
         placement = {"stem_tables": stem_tables} if stem_tables and source.config.model_type == "stem" else {}
@@ -110,7 +110,8 @@ def stem_layers_of(config, layers=None) -> list[int]:
 def stem_tables(source: Source, layers=None):
     """The tables of a STEM checkpoint's layers (all STEM layers, or `layers`) as `MmapTables`: rows
     read from the safetensors files by positioned reads, nothing loaded whole."""
-    from .modeling.stem_tables import MmapTables, StemTablesError, checkpoint_files, locate_tables, table_names
+    from .modeling.stem_tables import MmapTables, table_names
+    from .modeling.table_files import StemTablesError, checkpoint_files, locate_tables
     from .modeling.table_format import TableFormat
 
     config = source.config

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .modeling.stem_tables import SAFETENSORS_DTYPES
+from .modeling.table_files import SAFETENSORS_DTYPES
 
 INDEX_NAME = "model.safetensors.index.json"
 

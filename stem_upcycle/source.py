@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from .errors import UserError
-from .modeling.stem_tables import SAFETENSORS_DTYPES
+from .modeling.table_files import SAFETENSORS_DTYPES
 
 # What a checkpoint folder holds besides its weights, and the dtypes its weights may be written in.
 TOKENIZER_FILES = (
@@ -236,7 +236,7 @@ def _weight_files(path: Path, single: str, pattern: str) -> list[Path]:
 def _check_safetensors(file: Path) -> None:
     """A shard whose header does not parse or whose data it says is past its end: one line, not the
     safetensors library's traceback (the header reader is the one the exported model uses)."""
-    from .modeling.stem_tables import StemTablesError, read_header
+    from .modeling.table_files import StemTablesError, read_header
 
     try:
         read_header(str(file))

@@ -159,7 +159,7 @@ def test_resizing_the_vocabulary_grows_the_tables_with_fitted_rows(tmp_path, ids
 
 def test_first_tokens_of_a_packed_row_are_where_the_positions_restart():
     """vLLM packs a batch's sequences into one row [1, tokens], each numbered from 0, with no mask."""
-    from stem_upcycle.modeling.stem_tables import first_tokens
+    from stem_upcycle.modeling.forward_ids import first_tokens
 
     ids = torch.arange(6)[None]
     rows, starts = first_tokens(ids, {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}, past=0)
@@ -183,7 +183,7 @@ def test_a_model_built_from_its_config_reads_the_tables_the_config_asks_for(tmp_
     """vLLM builds models with from_config; `hf_overrides={"stem_tables": "mmap"}` keeps the tables in their files."""
     from transformers import AutoConfig
 
-    from stem_upcycle.modeling.stem_tables import StemTablesError
+    from stem_upcycle.modeling.table_files import StemTablesError
 
     model = tiny_stem()
     model.save_pretrained(tmp_path / "m")

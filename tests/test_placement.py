@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stem_upcycle.modeling.stem_tables import StemTablesError, check_ids
+from stem_upcycle.modeling.forward_ids import check_ids
+from stem_upcycle.modeling.table_files import StemTablesError
 
 from .conftest import VOCAB, tiny_stem
 

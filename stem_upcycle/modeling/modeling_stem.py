@@ -28,8 +28,9 @@ from transformers.models.auto import modeling_auto
 import transformers
 
 from .configuration_stem import StemConfig
-from .stem_tables import (IdHandoff, PlacedTable, RowEdit, StemTablesError, cached_length, check_ids, first_tokens,
-                          open_tables)
+from .forward_ids import IdHandoff, RowEdit, cached_length, check_ids, first_tokens
+from .stem_tables import PlacedTable, open_tables
+from .table_files import StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
 HUB_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "subfolder")

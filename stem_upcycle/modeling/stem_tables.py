@@ -8,379 +8,27 @@
   shared by all STEM layers; a forward copies its missing rows for every layer in one pass, on a
   side stream, so the copy overlaps the layers before the first STEM layer.
 
-A forward's ids travel from the base model's pre-hook to the STEM MLPs in a `ForwardIds`, kept per
-thread (`IdHandoff`), which also holds the copies the row sources need (on each device, on the
-CPU, distinct ids) so that each is made once per forward. A run-time edit (`RowEdit`) adds the ids
-whose rows replace those of some positions to the ids a forward looks up, so that every placement
-serves them as it serves the rest (a device row cache included).
+A forward's ids reach the placements in a `ForwardIds` (forward_ids.py); where each table lies in
+the checkpoint's files is table_files.py's.
 
 Exported next to the weights, so it imports only torch, transformers and the standard library.
 """
 
-import json
 import math
 import os
-import struct
 import threading
 import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .table_format import FLOAT_DTYPES, TableFormat
+from .forward_ids import ForwardIds, check_ids
+from .table_files import StemTablesError, StoredTable, checkpoint_files, locate_tables, read_whole
+from .table_format import TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
 DEFAULT_CACHE_ROWS = 2048  # the official STEM engine's LFU cache size
-# safetensors' dtype codes; the one table of them (shards.py and source.py read it too): this file is exported
-# next to the weights and imports only torch.
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
-class StemTablesError(ValueError):
-    """A table placement that cannot work here; the message names the problem and the fix."""
-
-
-# --- a forward's ids -------------------------------------------------------------------------------
-
-
-class ForwardIds:
-    """The input ids of one forward [batch, seq], the ids its tables are read at, and the copies made
-    of those, each made once.
-
-    Without an edit the lookup ids are the input ids. With one (`ForwardEdit`), they are the input
-    ids flattened [batch * seq] followed by the edit's target ids [m]: the placements read those rows
-    like any other, and `edited` puts them in place."""
-
-    def __init__(self, ids: torch.Tensor, edit: "ForwardEdit | None" = None,
-                 first: "tuple[torch.Tensor, torch.Tensor] | None" = None):
-        self.ids = ids
-        self.edit = edit
-        self.first = first  # (batch rows, positions) of the sequences' first tokens in this forward (`first_tokens`)
-        self.lookup = ids if edit is None else torch.cat([ids.flatten(), edit.target_ids.flatten().to(ids.device)])
-        self._on = {self.lookup.device: self.lookup}
-        self._unique = None
-        self.plan = None  # what a placement prepared for this forward (host: slots or staged rows)
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        """The lookup ids on `device` (a split model's layers sit on several devices)."""
-        if device not in self._on:
-            # non_blocking only toward an accelerator: a non-blocking copy to the host returns a pinned buffer
-            # still being written, and the host reads these ids at once (`unique`, row reads)
-            self._on[device] = self.lookup.to(device, non_blocking=device.type != "cpu")
-        return self._on[device]
-
-    @property
-    def cpu(self) -> torch.Tensor:
-        return self.on(torch.device("cpu"))
-
-    def unique(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sorted distinct lookup ids, index of each lookup into them), on the CPU."""
-        if self._unique is None:
-            self._unique = torch.unique(self.cpu, return_inverse=True)
-        return self._unique
-
-    def edited(self, rows: torch.Tensor, layer: int | None) -> torch.Tensor:
-        """The rows [batch, seq, d_ff] of the input ids from the rows read at the lookup ids; at the
-        edit's positions, in the layers it edits, the weighted sums of its target rows instead."""
-        if self.edit is None:
-            return rows
-        batch, seq = self.ids.shape
-        own, extra = rows[: batch * seq].view(batch, seq, -1), rows[batch * seq :]  # [b, s, d_ff], [m, d_ff]
-        if not self.edit.edits(layer):
-            return own
-        target = extra.view(*self.edit.target_ids.shape, -1)  # [n, k, d_ff]
-        weights = self.edit.weights.to(target.device, target.dtype)[..., None]  # [n, k, 1]
-        own = own.clone()
-        own[self.edit.rows.to(own.device), self.edit.positions.to(own.device)] = (target * weights).sum(1)
-        return own
-
-
-@dataclass(frozen=True)
-class ForwardEdit:
-    """The part of a `RowEdit` that falls in one forward: batch rows and positions of its input."""
-
-    rows: torch.Tensor  # [n]
-    positions: torch.Tensor  # [n] counted from the forward's first token
-    target_ids: torch.Tensor  # [n, k]
-    weights: torch.Tensor  # [n, k]
-    layers: frozenset | None
-
-    def edits(self, layer: int | None) -> bool:
-        return self.layers is None or layer in self.layers
-
-
-@dataclass(frozen=True)
-class RowEdit:
-    """A run-time edit of the rows a STEM model looks up: at some positions of a prompt, the weighted
-    sum of other ids' rows replaces the row of the id there, in some STEM layers. Input ids, tables
-    and every other position are untouched. Set on a model with `model.set_stem_row_edit(edit)`, for
-    the forwards of the calling thread.
-
-    It is made for a prompt, or a padded batch of prompts (`prompt_ids`, -1 at the padding), and a
-    forward is checked to hold every token of them: an input that is another prompt, or the batch
-    padded otherwise, is refused rather than edited at the wrong tokens. A batch of b*m rows is the
-    b prompts each repeated m times in place (as generate() repeats them for beams or several
-    returned sequences); one prompt edits every row of a batch of it. Positions count from the
-    sequence's first token (padding included), so the edit follows the prompt through a KV cache:
-    the forward reading positions p..p+s-1 (p: tokens already cached) edits those that fall there."""
-
-    prompt_ids: torch.Tensor  # [b, L] the prompts as the input holds them, -1 at the padding
-    rows: torch.Tensor  # [n] the prompt (row of prompt_ids) of each edited position
-    positions: torch.Tensor  # [n] positions in the padded prompt; (row, position) pairs distinct
-    target_ids: torch.Tensor  # [n, k] ids whose rows, weighted, replace the row at each position
-    weights: torch.Tensor  # [n, k] (0 for the padding of positions that read fewer than k ids)
-    layers: frozenset | None = None  # STEM layers edited; None: all
-
-    def for_forward(self, ids: torch.Tensor, past: int) -> ForwardEdit | None:
-        """The edit of a forward of `ids` [batch, seq] after `past` cached tokens; None if it edits none."""
-        inside = (self.positions >= past) & (self.positions < past + ids.shape[1])
-        if not bool(inside.any()):
-            return None
-        prompts, length = self.prompt_ids.shape
-        if ids.shape[0] % prompts:
-            raise ValueError(f"the row edit was made for {prompts} prompts and the input holds {ids.shape[0]} rows: "
-                             f"the input is not the batch the edit was made for")
-        copies = ids.shape[0] // prompts  # rows per prompt, in place: prompt r is rows r*copies .. r*copies+copies-1
-        stop = min(past + ids.shape[1], length)
-        expected = self.prompt_ids[:, past:stop].repeat_interleave(copies, 0)  # [batch, stop - past]
-        found = ids[:, : stop - past].cpu()  # a copy per forward that edits (the prompt's)
-        wrong = ((expected >= 0) & (expected != found)).any(1)
-        if bool(wrong.any()):
-            row = int(wrong.nonzero()[0])
-            raise ValueError(f"the row edit expects ids {expected[row].tolist()} at positions {past}-{stop - 1} of row "
-                             f"{row} (-1: padding) and the input holds {found[row].tolist()}: the input is not the "
-                             f"prompt the edit was made for (a batch: padded as the tokenizer pads it)")
-        rows = (self.rows[inside][:, None] * copies + torch.arange(copies)).flatten()  # [n * copies]
-        return ForwardEdit(rows, (self.positions[inside] - past).repeat_interleave(copies),
-                           self.target_ids[inside].repeat_interleave(copies, 0),
-                           self.weights[inside].repeat_interleave(copies, 0), self.layers)
-
-
-def first_tokens(ids: torch.Tensor, kwargs: dict, past: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(batch rows, positions) in a forward of `ids` [batch, seq] of each sequence's first token: where
-    the position ids are 0 if the forward has them on the CPU, or has them with neither a mask nor a
-    cache (vLLM packs a batch's sequences into one row [1, tokens], each numbered from 0); else the
-    first position its 2-D attention mask admits (left padding skipped), position 0 without a mask.
-
-    That token attends to itself alone, so its hidden states are a function of its id alone, unlike
-    any other position's; the dense model makes it its attention sink. A forward after `past` cached
-    tokens holds first tokens only where the padding reaches past the cache, which is checked where
-    the mask is on the CPU; on an accelerator that check would stall every decode step on a copy to
-    the host, so there first tokens are taken to be in the forward that starts the sequence (as in
-    `generate()`, unless it prefills in chunks shorter than a left padding)."""
-    mask = kwargs.get("attention_mask")
-    batch, seq = ids.shape
-    positions = kwargs.get("position_ids")
-    if (positions is not None and positions.shape == ids.shape
-            and (positions.device.type == "cpu" or (mask is None and not past))):
-        rows, starts = (positions == 0).nonzero(as_tuple=True)
-        return (rows, starts) if rows.numel() else None
-    usable = mask is not None and mask.dim() == 2 and mask.shape == (batch, past + seq)
-    if past and not (usable and mask.device.type == "cpu"):
-        return None
-    start = mask.int().argmax(1) if usable else torch.zeros(batch, dtype=torch.long, device=ids.device)  # [batch]
-    rows = torch.arange(batch, device=start.device)
-    if past:  # on the CPU: only the sequences whose first token falls in this forward
-        inside = (start >= past) & (start < past + seq)
-        if not bool(inside.any()):
-            return None
-        rows, start = rows[inside], start[inside]
-    return rows, start - past
-
-
-def cached_length(kwargs: dict) -> int:
-    """Tokens already in the KV cache a decoder forward was given (`cache` in Transformers 5,
-    `past_key_values` before)."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is None:
-        return 0
-    if hasattr(cache, "get_seq_length"):
-        return int(cache.get_seq_length())
-    return int(cache[0][0].shape[-2]) if len(cache) else 0  # legacy tuple of (key, value) per layer
-
-
-class IdHandoff:
-    """The current forward's ids of one model, per thread, so that two threads can run the model at once.
-
-    Decoder layers hand only hidden states to their MLP. Gradient checkpointing recomputes layers
-    during backward, which on an accelerator runs in autograd's own threads; there the ids of the
-    model's latest forward are used (training runs one forward at a time).
-    """
-
-    def __init__(self):
-        self._local = threading.local()
-        self._latest = None
-
-    @property
-    def edit(self) -> "RowEdit | None":
-        """The run-time edit of this thread's forwards (`RowEdit`), if any."""
-        return getattr(self._local, "edit", None)
-
-    @edit.setter
-    def edit(self, edit: "RowEdit | None") -> None:
-        self._local.edit = edit
-
-    def start(self, ids: torch.Tensor, edit: ForwardEdit | None = None,
-              first: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardIds:
-        forward = ForwardIds(ids, edit, first)
-        self._local.current = self._latest = forward
-        return forward
-
-    def current_of_thread(self) -> ForwardIds | None:
-        return getattr(self._local, "current", None)
-
-    def current(self, x: torch.Tensor) -> ForwardIds:
-        forward = getattr(self._local, "current", None) or self._latest
-        if forward is None or forward.ids.shape != x.shape[:-1]:
-            raise RuntimeError(
-                "STEM MLP called without matching input ids; call the model with input_ids so that "
-                "its STEM layers can look up their table rows"
-            )
-        return forward
-
-
-def check_ids(ids: torch.Tensor, vocab: int) -> None:
-    """Ids outside the tables are a clear error. Checked only where the ids already are on the CPU:
-    on an accelerator the check would stall every decode step on a device-to-host copy."""
-    if ids.device.type == "cpu" and ids.numel():
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocab:
-            raise ValueError(f"input_ids must lie in [0, {vocab - 1}] (the STEM tables have {vocab} rows); "
-                             f"got values from {low} to {high}")
-
-
-# --- the tables' files -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TableFile:
-    """Where one tensor of a table is: a safetensors shard and the tensor's byte range in it."""
-
-    path: str
-    offset: int  # from the start of the file
-    shape: tuple[int, int]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * self.dtype.itemsize
-
-    @property
-    def row_bytes(self) -> int:
-        return self.shape[1] * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class StoredTable:
-    """One STEM layer's table as its checkpoint holds it: the format of its rows and, per stored part
-    (`weight` for float rows; `qweight` and `scales` for compressed ones), where that tensor is."""
-
-    format: TableFormat
-    parts: dict  # part name -> TableFile
-    shape: tuple[int, int]  # [vocab, d_ff] of the decoded table
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.nbytes for part in self.parts.values())
-
-    @property
-    def float_dtype(self) -> torch.dtype:
-        """The dtype rows are read in: a float table's own; float32 for a compressed one."""
-        return torch.float32 if self.format.compressed else self.parts["weight"].dtype
-
-
-def read_header(path: str) -> tuple[dict, int]:
-    """(tensor entries, offset of the data) of a safetensors file.
-
-    The format is an 8-byte length and a JSON header; the safetensors library does not expose the
-    byte offsets that mapping a tensor needs, so the header is read here."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        if length is None or 8 + length > size:
-            raise StemTablesError(f"{path} is truncated or not a safetensors file; download or export it again")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            raise StemTablesError(f"{path} has a corrupt safetensors header; download or export it again") from None
-    header.pop("__metadata__", None)
-    end = 8 + length + max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if end > size:
-        raise StemTablesError(f"{path} is truncated ({size} bytes, its header describes {end}); "
-                              f"download or export it again")
-    return header, 8 + length
-
-
-def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape: tuple[int, int],
-                  table_format: TableFormat | None = None) -> dict[int, StoredTable]:
-    """Per STEM layer, its table's parts (files and byte ranges), checked against `shape`, the format
-    (`table_format`; None: float rows, as the files say) and the files' sizes (`read_header`: a mapped
-    read past the end of a file is a SIGBUS, never an error message)."""
-    headers = {}
-    located = {}
-    vocab, d_ff = shape
-    for layer, prefix in names.items():
-        found = table_format or TableFormat("float32")  # a float table's dtype is the file's
-        parts = {}
-        for part, (per_row, dtype) in found.parts(d_ff).items():
-            name = f"{prefix}.{part}"
-            path = checkpoint_files.get(name)
-            if path is None:
-                raise StemTablesError(f"the checkpoint has no tensor {name} (layer {layer} is a STEM layer"
-                                      + (f" with {found.dtype} tables" if found.compressed else "")
-                                      + "); the checkpoint is incomplete: export it again")
-            if not os.path.isfile(path):
-                raise StemTablesError(f"{path} holds {name} but is missing; download or export the checkpoint again")
-            if path not in headers:
-                headers[path] = read_header(path)
-            header, data_start = headers[path]
-            entry = header.get(name)
-            stored = SAFETENSORS_DTYPES.get(entry.get("dtype")) if entry else None
-            if stored != dtype if found.compressed else stored not in FLOAT_DTYPES.values():
-                raise StemTablesError(f"{path} does not hold {name} as {'a float tensor' if not found.compressed else dtype}; "
-                                      f"the index, the shard and config.json disagree: export the checkpoint again")
-            begin, end = entry["data_offsets"]
-            table = TableFile(path, data_start + begin, tuple(entry["shape"]), stored)
-            if table.shape != (vocab, per_row) or end - begin != table.nbytes:
-                raise StemTablesError(f"{name} in {path} has shape {list(table.shape)}, the config says "
-                                      f"{[vocab, per_row]}")
-            parts[part] = table
-        if not found.compressed:
-            found = TableFormat(next(k for k, v in FLOAT_DTYPES.items() if v == parts["weight"].dtype))
-        located[layer] = StoredTable(found, parts, (vocab, d_ff))
-    return located
-
-
-def checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> dict[str, str] | None:
-    """Tensor name -> local safetensors file of a checkpoint (a directory or a hub id already downloaded),
-    or None when it has no safetensors files (tables can then only be loaded into memory)."""
-    from transformers.utils import cached_file
-
-    def find(filename):
-        return cached_file(pretrained_model_name_or_path, filename, _raise_exceptions_for_missing_entries=False,
-                           **hub_kwargs)
-
-    index = find("model.safetensors.index.json")
-    if index:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        folder = os.path.dirname(index)
-        return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
-    single = find("model.safetensors")
-    if single:
-        header, _ = read_header(single)
-        return {name: single for name in header}
-    return None
-
-
-# --- placements ------------------------------------------------------------------------------------
 
 
 class PlacedTable(nn.Module):
@@ -457,7 +105,7 @@ class MmapTables(RowAccess):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
                     weakref.finalize(self, os.close, fd)
         self.overlay = {}  # layer -> {id: {part: row} set on the loaded model}
-        self.resident = {layer: {name: _read_whole(where) for name, where in table.parts.items() if name == "scales"}
+        self.resident = {layer: {name: read_whole(where) for name, where in table.parts.items() if name == "scales"}
                          for layer, table in stored.items()}  # layer -> {part: the whole tensor in memory}
 
     def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -531,7 +179,7 @@ class CompressedMemoryTables(RowAccess):
 
     def __init__(self, stored: dict[int, StoredTable]):
         self.stored = stored
-        self.tables = {layer: {name: _read_whole(where) for name, where in table.parts.items()}
+        self.tables = {layer: {name: read_whole(where) for name, where in table.parts.items()}
                        for layer, table in stored.items()}
         self.mlps = {}  # layer -> its StemMLP (set by the model)
 
@@ -580,7 +228,7 @@ class HostTables(RowAccess):
         self.stored = stored
         # Pageable: the device never reads a table, only rows the host gathers into page-locked staging (`_gather`);
         # registering whole tables page-locked (GBs each) would lock RAM for nothing.
-        self.tables = {layer: {name: _read_whole(where) for name, where in table.parts.items()}
+        self.tables = {layer: {name: read_whole(where) for name, where in table.parts.items()}
                        for layer, table in stored.items()}
         self.mlps = {}  # layer -> its StemMLP, whose weights say device and dtype (set by the model)
         vocab = next(iter(stored.values())).shape[0]
@@ -762,22 +410,6 @@ def _gather(source: torch.Tensor, ids: torch.Tensor, pin: bool) -> torch.Tensor:
     page-locked allocator keeps such a buffer from reuse until the copies that read it have run."""
     out = torch.empty(ids.numel(), *source.shape[1:], dtype=source.dtype, device="cpu", pin_memory=pin)
     return torch.index_select(source, 0, ids, out=out)
-
-
-def _read_whole(table: TableFile) -> torch.Tensor:
-    """The tensor read from its file into host memory."""
-    # device="cpu" also under a `torch.device("meta")` context, where vLLM builds its models
-    tensor = torch.empty(table.shape, dtype=table.dtype, device="cpu")
-    buffer = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
-    with open(table.path, "rb") as f:
-        f.seek(table.offset)
-        done = 0
-        while done < table.nbytes:
-            n = f.readinto(buffer[done:])
-            if not n:
-                raise StemTablesError(f"{table.path} ended while reading a table; download or export it again")
-            done += n
-    return tensor
 
 
 def open_tables(path, config, hub_kwargs: dict):

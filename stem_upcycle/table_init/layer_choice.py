@@ -23,7 +23,7 @@ from ..families import Family, layer_name
 from ..layers import LayerSpecError, parse_layers
 from ..loading import model_from_source
 from ..modeling.modeling_stem import StemMLP
-from ..modeling.stem_tables import IdHandoff
+from ..modeling.forward_ids import IdHandoff
 from . import INITIALISERS
 from .closed_form import mlp_projections
 from .protocol import InitOptions, InitTarget

@@ -1,0 +1,164 @@
+"""A STEM checkpoint's table files: where each table's tensors lie (safetensors headers read directly), and
+reading one whole.
+
+Exported next to the weights, so it imports only torch, transformers and the standard library.
+"""
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .table_format import FLOAT_DTYPES, TableFormat
+
+# safetensors' dtype codes; the one table of them (shards.py and source.py read it too): this file is exported
+# next to the weights and imports only torch.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class StemTablesError(ValueError):
+    """A table placement that cannot work here; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """Where one tensor of a table is: a safetensors shard and the tensor's byte range in it."""
+
+    path: str
+    offset: int  # from the start of the file
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape[1] * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StoredTable:
+    """One STEM layer's table as its checkpoint holds it: the format of its rows and, per stored part
+    (`weight` for float rows; `qweight` and `scales` for compressed ones), where that tensor is."""
+
+    format: TableFormat
+    parts: dict  # part name -> TableFile
+    shape: tuple[int, int]  # [vocab, d_ff] of the decoded table
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts.values())
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The dtype rows are read in: a float table's own; float32 for a compressed one."""
+        return torch.float32 if self.format.compressed else self.parts["weight"].dtype
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """(tensor entries, offset of the data) of a safetensors file.
+
+    The format is an 8-byte length and a JSON header; the safetensors library does not expose the
+    byte offsets that mapping a tensor needs, so the header is read here."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if length is None or 8 + length > size:
+            raise StemTablesError(f"{path} is truncated or not a safetensors file; download or export it again")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise StemTablesError(f"{path} has a corrupt safetensors header; download or export it again") from None
+    header.pop("__metadata__", None)
+    end = 8 + length + max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if end > size:
+        raise StemTablesError(f"{path} is truncated ({size} bytes, its header describes {end}); "
+                              f"download or export it again")
+    return header, 8 + length
+
+
+def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape: tuple[int, int],
+                  table_format: TableFormat | None = None) -> dict[int, StoredTable]:
+    """Per STEM layer, its table's parts (files and byte ranges), checked against `shape`, the format
+    (`table_format`; None: float rows, as the files say) and the files' sizes (`read_header`: a mapped
+    read past the end of a file is a SIGBUS, never an error message)."""
+    headers = {}
+    located = {}
+    vocab, d_ff = shape
+    for layer, prefix in names.items():
+        found = table_format or TableFormat("float32")  # a float table's dtype is the file's
+        parts = {}
+        for part, (per_row, dtype) in found.parts(d_ff).items():
+            name = f"{prefix}.{part}"
+            path = checkpoint_files.get(name)
+            if path is None:
+                raise StemTablesError(f"the checkpoint has no tensor {name} (layer {layer} is a STEM layer"
+                                      + (f" with {found.dtype} tables" if found.compressed else "")
+                                      + "); the checkpoint is incomplete: export it again")
+            if not os.path.isfile(path):
+                raise StemTablesError(f"{path} holds {name} but is missing; download or export the checkpoint again")
+            if path not in headers:
+                headers[path] = read_header(path)
+            header, data_start = headers[path]
+            entry = header.get(name)
+            stored = SAFETENSORS_DTYPES.get(entry.get("dtype")) if entry else None
+            if stored != dtype if found.compressed else stored not in FLOAT_DTYPES.values():
+                raise StemTablesError(f"{path} does not hold {name} as {'a float tensor' if not found.compressed else dtype}; "
+                                      f"the index, the shard and config.json disagree: export the checkpoint again")
+            begin, end = entry["data_offsets"]
+            table = TableFile(path, data_start + begin, tuple(entry["shape"]), stored)
+            if table.shape != (vocab, per_row) or end - begin != table.nbytes:
+                raise StemTablesError(f"{name} in {path} has shape {list(table.shape)}, the config says "
+                                      f"{[vocab, per_row]}")
+            parts[part] = table
+        if not found.compressed:
+            found = TableFormat(next(k for k, v in FLOAT_DTYPES.items() if v == parts["weight"].dtype))
+        located[layer] = StoredTable(found, parts, (vocab, d_ff))
+    return located
+
+
+def checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> dict[str, str] | None:
+    """Tensor name -> local safetensors file of a checkpoint (a directory or a hub id already downloaded),
+    or None when it has no safetensors files (tables can then only be loaded into memory)."""
+    from transformers.utils import cached_file
+
+    def find(filename):
+        return cached_file(pretrained_model_name_or_path, filename, _raise_exceptions_for_missing_entries=False,
+                           **hub_kwargs)
+
+    index = find("model.safetensors.index.json")
+    if index:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        folder = os.path.dirname(index)
+        return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+    single = find("model.safetensors")
+    if single:
+        header, _ = read_header(single)
+        return {name: single for name in header}
+    return None
+
+
+def read_whole(table: TableFile) -> torch.Tensor:
+    """The tensor read from its file into host memory."""
+    # device="cpu" also under a `torch.device("meta")` context, where vLLM builds its models
+    tensor = torch.empty(table.shape, dtype=table.dtype, device="cpu")
+    buffer = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    with open(table.path, "rb") as f:
+        f.seek(table.offset)
+        done = 0
+        while done < table.nbytes:
+            n = f.readinto(buffer[done:])
+            if not n:
+                raise StemTablesError(f"{table.path} ended while reading a table; download or export it again")
+            done += n
+    return tensor
