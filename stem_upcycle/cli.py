@@ -29,6 +29,21 @@ def _given_options() -> dict[str, str]:
             if context.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT}
 
 
+class OptionOf(click.Option):
+    """An option that means something only with one of `owners` (parameter names): given without any of them,
+    it is a one-line usage error that names both (`--top goes with --nearest`)."""
+
+    def __init__(self, *args, owners: tuple[str, ...], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.owners = owners
+
+    def handle_parse_result(self, ctx, opts, args):
+        if self.name in opts and not any(opts.get(owner) not in (None, False) for owner in self.owners):
+            flags = " or ".join(p.opts[0] for p in ctx.command.params if p.name in self.owners)
+            raise click.UsageError(f"{self.opts[0]} goes with {flags}", ctx)
+        return super().handle_parse_result(ctx, opts, args)
+
+
 def _fail_cleanly(fn):
     """Turn a UserError into Click's one-line `Error: ...` and exit status 1."""
 
@@ -208,22 +223,26 @@ def compress(model, out, table_dtype, table_block, max_shard_size, overwrite, dr
 @click.option("--tables", "table_stats", is_flag=True,
               help="Statistics of a STEM model's table rows per layer: norms and the angular spread (|cos| between "
                    "rows, over a seeded sample).")
-@click.option("--sample", default=2048, show_default=True, type=click.IntRange(2, 4096),
-              help="With --tables: rows (and positions) sampled; every pair of them is compared.")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), help="With --tables: seed of the sample.")
-@click.option("--reference", help="With --tables: the dense parent, whose up-projection outputs W_up x on --text get "
-                                  "the same statistic.")
-@click.option("--text", "text_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="With --tables: text (.txt, .jsonl, .parquet) for the rows of its tokens and, with --reference, "
-                   "for W_up x; repeat for several files.")
-@click.option("--text-tokens", default=8192, show_default=True, type=COUNT, help="With --text: tokens read, at most.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+@click.option("--sample", default=2048, show_default=True, type=click.IntRange(2, 4096), cls=OptionOf,
+              owners=("table_stats",), help="With --tables: rows (and positions) sampled; every pair of them is compared.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), cls=OptionOf,
+              owners=("table_stats",), help="With --tables: seed of the sample.")
+@click.option("--reference", cls=OptionOf, owners=("table_stats",),
+              help="With --tables: the dense parent, whose up-projection outputs W_up x on --text get the same statistic.")
+@click.option("--text", "text_files", multiple=True, type=click.Path(exists=True, dir_okay=False), cls=OptionOf,
+              owners=("table_stats",), help="With --tables: text (.txt, .jsonl, .parquet) for the rows of its tokens "
+                                            "and, with --reference, for W_up x; repeat for several files.")
+@click.option("--text-tokens", default=8192, show_default=True, type=COUNT, cls=OptionOf, owners=("table_stats",),
+              help="With --text: tokens read, at most.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), cls=OptionOf, owners=("table_stats",),
               help="With --tables: also write histograms of |cos| per layer to this PNG (needs matplotlib: "
                    "pip install 'stem-upcycle[plot]').")
 @click.option("--nearest", metavar="TOKEN", help="List the tokens whose rows in --layer lie closest (cosine) to "
                                                  "TOKEN's: one token as written (e.g. ' Spain') or id:N.")
-@click.option("--layer", type=int, help="With --nearest: the STEM layer; with --tables: that layer only.")
-@click.option("--top", default=10, show_default=True, type=COUNT, help="With --nearest: how many tokens.")
+@click.option("--layer", type=int, cls=OptionOf, owners=("table_stats", "nearest"),
+              help="With --nearest: the STEM layer; with --tables: that layer only.")
+@click.option("--top", default=10, show_default=True, type=COUNT, cls=OptionOf, owners=("nearest",),
+              help="With --nearest: how many tokens.")
 @_fail_cleanly
 def inspect(path, as_json, table_stats, sample, seed, reference, text_files, text_tokens, plot_path, nearest, layer,
             top):
@@ -234,13 +253,6 @@ def inspect(path, as_json, table_stats, sample, seed, reference, text_files, tex
 
     if nearest is not None and table_stats:
         raise click.UsageError("give --tables or --nearest, not both")
-    given = _given_options()
-    belong = {"--tables": (table_stats, ("sample", "seed", "reference", "text_files", "text_tokens", "plot_path")),
-              "--nearest": (nearest is not None, ("top",)), "--tables or --nearest": (table_stats or nearest is not None,
-                                                                                    ("layer",))}
-    for owner, (chosen, names) in belong.items():
-        if stray := [given[n] for n in names if n in given and not chosen]:
-            raise click.UsageError(f"{', '.join(stray)} go{'es' if len(stray) == 1 else ''} with {owner}")
     source = open_source(path)
     if nearest is not None:
         click.echo(_nearest(source, nearest, layer, top, as_json))

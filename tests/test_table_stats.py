@@ -102,7 +102,7 @@ def test_table_inspection_errors_are_one_line(stem_dir, dense_dir, tmp_path):
         (["inspect", path, "--nearest", "w5"], "needs --layer"),
         (["inspect", path, "--tables", "--reference", dense], "needs --text"),
         (["inspect", path, "--plot", tmp_path / "x.png"], "--plot goes with --tables"),
-        (["inspect", path, "--sample", 10, "--seed", 1], "--sample, --seed go with --tables"),
+        (["inspect", path, "--sample", 10, "--seed", 1], "--sample goes with --tables"),
         (["inspect", path, "--layer", 2], "--layer goes with --tables or --nearest"),
         (["inspect", path, "--nearest", "id:96", "--layer", 2], "ids 0-95"),
         (["inspect", path, "--tables", "--sample", 1], "--sample"),
