@@ -353,28 +353,12 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
     tokenizer = load_tokenizer(source)
     plan = editing.plan_edit(tokenizer, config, swaps, mode, layers)
     if prompt:  # errors before any output
-        editing.find_occurrences(tokenizer, prompt, plan, occurrences)
-        prompt_tokens, context = len(tokenizer(prompt)["input_ids"]), getattr(config, "max_position_embeddings", None)
-        if context and prompt_tokens + max_new_tokens > context:
-            raise click.BadParameter(f"{max_new_tokens} new tokens after the prompt's {prompt_tokens} pass the model's "
-                                     f"context of {context}; give at most {max(context - prompt_tokens, 0)}",
-                                     param_hint="'--max-new-tokens'")
+        editing.check_prompt(tokenizer, config, prompt, plan, occurrences, max_new_tokens)
     if output:
         editing.check_output(output, source.directory or model)
     click.echo(plan.describe(tokenizer))
     if prompt:
-        from .facts import complete
-        from .loading import model_from_source
-
-        lm = model_from_source(source, stem_tables=tables)
-        before = complete(lm, tokenizer, prompt, max_new_tokens)
-        with editing.runtime_edit(lm, tokenizer, prompt, plan, occurrences) as found:
-            after = complete(lm, tokenizer, prompt, max_new_tokens)
-        where = "; ".join(f"{o.swap} at chars {o.chars[0]}-{o.chars[1]}, tokens {list(o.positions)}" for o in found)
-        click.echo(f"edited: {where}")
-        width = max(len("prompt"), len("after edit"))
-        for label, text in (("prompt", prompt), ("before", before), ("after edit", after)):
-            click.echo(f"{label:<{width}} | {text!r}")
+        click.echo(editing.show_runtime_edit(source, tokenizer, prompt, plan, occurrences, max_new_tokens, tables))
     elif output:
         if source.directory is None:
             raise click.UsageError(f"{model} is not a checkpoint directory; a persistent edit copies one")

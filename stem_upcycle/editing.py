@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 
 from .atomic import staged_file, write_staged
 from .errors import UserError
-from .loading import stem_layers_of, stem_tables
+from .facts import complete
+from .loading import model_from_source, stem_layers_of, stem_tables
 from .modeling.forward_ids import RowEdit
 from .modeling.table_files import TableFile
 from .source import open_source
@@ -316,6 +317,29 @@ def runtime_edit(model, tokenizer, prompt: str | list[str], plan: EditPlan, occu
 
 
 # --- persistent ------------------------------------------------------------------------------------
+
+
+def check_prompt(tokenizer, config, prompt: str, plan: EditPlan, occurrences: str, max_new_tokens: int) -> None:
+    """The errors of `edit --prompt`, before any output: no occurrence to edit, or a continuation that passes the
+    model's context."""
+    find_occurrences(tokenizer, prompt, plan, occurrences)
+    prompt_tokens, context = len(tokenizer(prompt)["input_ids"]), getattr(config, "max_position_embeddings", None)
+    if context and prompt_tokens + max_new_tokens > context:
+        raise EditError(f"--max-new-tokens: {max_new_tokens} new tokens after the prompt's {prompt_tokens} pass the "
+                        f"model's context of {context}; give at most {max(context - prompt_tokens, 0)}")
+
+
+def show_runtime_edit(source, tokenizer, prompt: str, plan: EditPlan, occurrences: str, max_new_tokens: int,
+                      tables: str | None) -> str:
+    """What `edit --prompt` prints: where the edit applies, and the prompt's greedy continuation before and with it."""
+    model = model_from_source(source, stem_tables=tables)
+    before = complete(model, tokenizer, prompt, max_new_tokens)
+    with runtime_edit(model, tokenizer, prompt, plan, occurrences) as found:
+        after = complete(model, tokenizer, prompt, max_new_tokens)
+    where = "; ".join(f"{o.swap} at chars {o.chars[0]}-{o.chars[1]}, tokens {list(o.positions)}" for o in found)
+    width = max(len("prompt"), len("after edit"))
+    return "\n".join([f"edited: {where}"] + [f"{label:<{width}} | {text!r}" for label, text in
+                                             (("prompt", prompt), ("before", before), ("after edit", after))])
 
 
 def edited_rows(plan: EditPlan, read_parts, format_of) -> dict[int, tuple[torch.Tensor, dict, dict]]:
