@@ -45,13 +45,28 @@ def test_inference_gpu_compressed_check_runs_with_the_cpu_as_its_device(tmp_path
     assert json.loads((tmp_path / "int4" / "config.json").read_text())["stem_table_format"]["dtype"] == "int4"
 
 
+def _pack_texts(folder: Path) -> Path:
+    """The texts `train_gpu.py pack` ships (data/shakespeare, data/ood), as small stand-ins of random words: the
+    real ones are downloaded by scripts/get-*.sh, which CI does not run."""
+    import random
+
+    words = "the king of a land said that his man would go to the sea and bring back gold for all".split()
+    files = ["shakespeare/hamlet_gut.txt", "shakespeare/macbeth_gut.txt", "shakespeare/othello_gut.txt",
+             "ood/botchan.txt", "ood/lcet10.txt", "ood/flask_docs.txt"]
+    for i, name in enumerate(files):
+        rng = random.Random(i)
+        (folder / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "data" / name).write_text(" ".join(rng.choice(words) for _ in range(3000)))
+    return folder
+
+
 @pytest.mark.slow
 def test_train_gpu_smoke_run_streams_each_log_to_the_log_dir(tmp_path):
     pytest.importorskip("gguf")
     logs = tmp_path / "logs"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_gpu.py"), "run", "--smoke", "--work",
-                          str(tmp_path / "work"), "--log-dir", str(logs)], capture_output=True, text=True, timeout=1200,
-                         env={**os.environ, "OUT": str(tmp_path / "not-this")})
+                          str(tmp_path / "work"), "--log-dir", str(logs), "--pack", str(_pack_texts(tmp_path / "pack"))],
+                         capture_output=True, text=True, timeout=1200, env={**os.environ, "OUT": str(tmp_path / "not-this")})
     assert run.returncode == 0, run.stderr[-3000:]
     for name in ("stem", "dense"):
         records = [json.loads(line) for line in (logs / f"{name}.jsonl").read_text().splitlines()]
