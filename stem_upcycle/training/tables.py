@@ -93,7 +93,7 @@ class SharedTables:
 def distinct_ids(ids: torch.Tensor) -> torch.Tensor:
     """The sorted distinct ids of a batch (any shape) in host memory, which `OffloadedTable.gather` takes:
     computed once per batch for every table, where the batch still is on the host (no device sync)."""
-    return ids.unique() if ids.device.type == "cpu" else ids.unique().cpu()
+    return ids.unique().cpu()  # .cpu() of a host tensor is the tensor itself
 
 
 class OffloadedTable:
