@@ -48,8 +48,9 @@ def read_token_ids(files: list[str], tokenizer, max_tokens: int | None) -> torch
     return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
 
 
-def evaluate(model, ids: torch.Tensor, window: int = 512, reference=None, progress=None) -> dict:
-    """Perplexity of `model` on `ids` in windows; with `reference`, also KL(ref || model) and top-1 agreement."""
+def evaluate(model, ids: torch.Tensor, window: int = 512, reference=None, progress=None, before_window=None) -> dict:
+    """Perplexity of `model` on `ids` in windows; with `reference`, also KL(ref || model) and top-1 agreement.
+    `before_window(chunk)` runs before each window's forward (e.g. to hand a hooked dense model its ids)."""
     if ids.numel() < window:
         raise EvalError(f"the text has {ids.numel()} tokens, fewer than one window of {window}; give more text or a smaller --window")
     nll = ref_nll = kl = agree = 0.0
@@ -59,23 +60,28 @@ def evaluate(model, ids: torch.Tensor, window: int = 512, reference=None, progre
         for start in starts if progress is None else progress(starts):
             chunk = ids[start : start + window][None].to(model.device)  # [1, window]
             targets = chunk[0, 1:]  # each position predicts the next token
-            logp = F.log_softmax(model(chunk).logits[0, :-1].float(), -1)  # [window - 1, vocab]
+            if before_window is not None:
+                before_window(chunk)
+            logp = F.log_softmax(model(chunk, use_cache=False).logits[0, :-1].float(), -1)  # [window - 1, vocab]
             nll += F.nll_loss(logp, targets, reduction="sum").item()
             tokens += targets.numel()
             if reference is not None:
-                ref_logits = reference(chunk.to(reference.device)).logits[0, :-1].to(logp.device)
+                ref_logits = reference(chunk.to(reference.device), use_cache=False).logits[0, :-1].to(logp.device)
                 ref_logp = F.log_softmax(ref_logits.float(), -1)
                 ref_nll += F.nll_loss(ref_logp, targets, reduction="sum").item()
                 kl += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
                 agree += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
-    result = {"ppl": math.exp(nll / tokens), "tokens": tokens, "window": window}
-    if reference is not None:
-        result.update(
-            ref_ppl=math.exp(ref_nll / tokens),
-            ppl_ratio=math.exp((nll - ref_nll) / tokens),
-            kl=kl / tokens,
-            top1_agreement=agree / tokens,
-        )
+    return {**figures(nll, tokens, *((ref_nll, kl, agree) if reference is not None else ())), "window": window}
+
+
+def figures(nll: float, tokens: int, ref_nll: float | None = None, kl: float | None = None,
+            agree: float | None = None) -> dict:
+    """The figures every perplexity in stem-upcycle reports, from sums over `tokens` predicted tokens:
+    {"ppl", "tokens"} and, with a reference's sums, {"ref_ppl", "ppl_ratio", "kl", "top1_agreement"}."""
+    result = {"ppl": math.exp(nll / tokens), "tokens": tokens}
+    if ref_nll is not None:
+        result.update(ref_ppl=math.exp(ref_nll / tokens), ppl_ratio=math.exp((nll - ref_nll) / tokens),
+                      kl=kl / tokens, top1_agreement=agree / tokens)
     return result
 
 

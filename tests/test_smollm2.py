@@ -150,7 +150,12 @@ def test_knowledge_edit_of_smollm2_run_time_equals_persistent_and_undo_restores_
     spread = json.loads(CliRunner().invoke(main, ["inspect", str(converted), "--tables", "--sample", "256",
                                                   "--json"]).stdout)
     assert spread["sample"] == 256 and sorted(int(k) for k in spread["layers"]) == list(range(0, 30, 3))
-    assert all(0 <= s["spread"]["P5"] <= s["spread"]["P50"] <= s["spread"]["P95"] <= 1 for s in spread["layers"].values())
+    for stats in spread["layers"].values():
+        s = stats["spread"]
+        assert s["pairs"] == 256 * 255 // 2 and sum(s["histogram"]) == pytest.approx(1, abs=1e-4)
+        # closed-form rows are W_up of the token's normalised embedding: neither random (|cos| ~0.02 at d_ff 1536;
+        # measured P50 0.30-0.53) nor copies of one row (|cos| 1)
+        assert 0.1 < s["P50"] and s["P5"] <= s["P50"] <= s["P95"] < 0.9
 
 
 def test_knowledge_edit_example_runs_on_smollm2(converted, tmp_path):
@@ -163,5 +168,7 @@ def test_knowledge_edit_example_runs_on_smollm2(converted, tmp_path):
                              "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 entity pairs that the dense parent answers correctly" in result.stdout  # checked on the parent first
-    rates = json.loads((tmp_path / "out.json").read_text())["modes"]["auto"]["summary"]
-    assert rates["pairs"] == 2 and 0 <= rates["runtime_success"] <= 1 and 0 <= rates["collateral_changed"] <= 1
+    report = json.loads((tmp_path / "out.json").read_text())["modes"]["auto"]
+    rates = report["summary"]
+    assert rates["pairs"] == len(report["rows"]) == 2  # the summary is its rows' mean
+    assert rates["runtime_success"] == sum(r["runtime_success"] for r in report["rows"]) / 2

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from stem_upcycle.cli import main
 from stem_upcycle.convert import plan_conversion, run_conversion
+from stem_upcycle.evaluate import evaluate
 from stem_upcycle.source import open_source
 from stem_upcycle.training import checkpoint
 from stem_upcycle.table_init import InitOptions
@@ -92,6 +93,10 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
         table.gather(distinct_ids(ids))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, trainer.causal_lm.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+    heldout = trainer.heldout["heldout"]  # the training log's perplexity is the one `stem-upcycle eval` gives
+    scored = evaluate(loaded, heldout.flatten(), window=heldout.shape[1])
+    assert scored["tokens"] == log[-1]["eval"]["heldout"]["tokens"]
+    assert scored["ppl"] == pytest.approx(log[-1]["eval"]["heldout"]["ppl"], rel=1e-4)
     assert "Recovery training" in (out / "README.md").read_text()
     assert (workspace / "stem" / "config.json").exists()  # a given init_from is never removed
 

@@ -10,15 +10,14 @@ smallest ratio are converted. Single layers differ widely (SmolLM2-135M: layer 1
 """
 
 import dataclasses
-import math
 import re
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ..evaluate import evaluate
 from ..families import Family, layer_name
 from ..layers import LayerSpecError, parse_layers
 from ..loading import model_from_source
@@ -92,16 +91,13 @@ def perplexity_with(model, calibrated, family: Family, config, layers: list[int]
 
     for layer in layers:
         hooks.append(model.base_model.layers[layer].mlp.register_forward_hook(stem_mlp(layer)))
+    first = (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))  # each window starts a text
     try:
-        total = 0.0
-        for window in windows.to(device):
-            token_ids.start(window[None], first=(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)))
-            logits = model(window[None], use_cache=False).logits[0, :-1].float()
-            total += F.cross_entropy(logits, window[1:], reduction="sum").item()
+        return evaluate(model, windows.flatten(), window=windows.shape[1],
+                        before_window=lambda chunk: token_ids.start(chunk, first=first))["ppl"]
     finally:
         for hook in hooks:
             hook.remove()
-    return math.exp(total / windows[:, 1:].numel())
 
 
 class CalibratedRows:

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..table_init.calibrated import skipped_positions
 from ..errors import UserError
+from ..evaluate import figures
 from ..loading import load_tokenizer, model_from_source
 from ..source import open_source
 from . import checkpoint, export
@@ -315,9 +316,7 @@ class Trainer:
                 sums += self.step_module(inputs, targets, teacher_hidden.to(acc.device), self.teacher_weight, 1.0)[1]
         n = sums[3].item()
         read = sequences[:, self.first_skipped : -1].cpu()  # the ids whose rows the set's forwards read
-        return {"ppl": math.exp(sums[0].item() / n), "ref_ppl": math.exp(ref_nll / n),
-                "ppl_ratio": math.exp((sums[0].item() - ref_nll) / n), "kl": sums[1].item() / n,
-                "top1_agreement": sums[2].item() / n, "tokens": int(n),
+        return {**figures(sums[0].item(), int(n), ref_nll, sums[1].item(), sums[2].item()),
                 "rows_covered": self.covered[read].float().mean().item()}
 
     # -- the loop ------------------------------------------------------------------------------
