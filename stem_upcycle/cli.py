@@ -175,8 +175,7 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
     text = GeneratedText(source, Sampling(sequences=-(-tokens // Sampling.length)))
     ids, stats = text.ensure(model, tokenizer, progress=progress)
     if stats:
-        click.echo(f"generated {stats['tokens']} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} "
-                   f"tokens/s) into {text.folder}", err=True)
+        click.echo(text.describe(stats["tokens"], stats["seconds"]), err=True)
     return as_stream(ids, tokenizer.eos_token_id)[:tokens]
 
 

@@ -154,6 +154,11 @@ class GeneratedText:
         stats = self.generate(model, tokenizer, progress=progress) if self.missing() else {}
         return self.load(), stats
 
+    def describe(self, tokens: int, seconds: float, processes: int = 1) -> str:
+        """The line both the CLI and the trainer print after generating `tokens` in `seconds`."""
+        return (f"generated {tokens} tokens in {seconds:.0f} s ({tokens / max(seconds, 1e-9):.0f} tokens/s, "
+                f"{processes} process(es)) into {self.folder}")
+
     def load(self) -> torch.Tensor:
         """[sequences, length] int64 ids."""
         batches = [load_file(self._batch(b))["ids"] for b in range(self.sampling.batches)]

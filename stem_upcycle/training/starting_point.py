@@ -45,8 +45,7 @@ def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> t
     if tokens:
         stats = {"tokens": tokens, "seconds": mine["seconds"], "tokens_per_s": tokens / max(mine["seconds"], 1e-9)}
         if acc.is_main_process:
-            print(f"generated {tokens} tokens in {stats['seconds']:.0f} s ({stats['tokens_per_s']:.0f} tokens/s, "
-                  f"{acc.num_processes} process(es)) into {text.folder}", file=sys.stderr)
+            print(text.describe(tokens, stats["seconds"], acc.num_processes), file=sys.stderr)
     return text.load(), stats
 
 
