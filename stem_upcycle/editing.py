@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -505,19 +505,18 @@ def undo_edits(model_dir, out_dir=None) -> int:
                             ignore=lambda d, names: [EDITS_FOLDER] if Path(d) == model_dir else [])
         tables = stem_tables(open_source(str(model_dir))).stored
         touched = {}
-        for record in reversed(records):  # the last edit first: each record holds the rows before it
-            with safe_open(record, "pt") as f:
-                files = json.loads(f.metadata()["files"])
-                for key, name in files.items():
-                    layer, _, part = key.partition(".")
-                    if name not in touched:  # a fresh copy, so that a linked file is never written into
-                        touched[name] = target / f".{name}.restoring"
-                        shutil.copyfile(model_dir / name, touched[name])
-                    part = part or "weight"
-                    _write_rows(touched[name], tables[int(layer)].parts[part], f.get_tensor(f"{layer}.ids"),
-                                f.get_tensor(_record_keys(layer, part)[0]))
-        for name, restored in touched.items():
-            os.replace(restored, target / name)
+        with ExitStack() as staged:  # every restored file renamed into place once all are written
+            for record in reversed(records):  # the last edit first: each record holds the rows before it
+                with safe_open(record, "pt") as f:
+                    files = json.loads(f.metadata()["files"])
+                    for key, name in files.items():
+                        layer, _, part = key.partition(".")
+                        if name not in touched:  # a fresh copy, so that a linked file is never written into
+                            touched[name] = staged.enter_context(staged_file(target / name))
+                            shutil.copyfile(model_dir / name, touched[name])
+                        part = part or "weight"
+                        _write_rows(touched[name], tables[int(layer)].parts[part], f.get_tensor(f"{layer}.ids"),
+                                    f.get_tensor(_record_keys(layer, part)[0]))
         with safe_open(records[0], "pt") as f:  # config and card as they were before the first edit
             for name in ("config.json", "README.md"):
                 if f"file.{name}" in f.keys():

@@ -349,6 +349,27 @@ def test_persistent_edit_writes_a_new_model_and_undo_restores_every_file_byte_fo
     assert files_digest(restored) == before and "stem_edits" in (edited / "config.json").read_text()
 
 
+def test_an_undo_that_fails_midway_changes_no_file(stem_dir, tmp_path, monkeypatch):
+    before = files_digest(stem_dir)
+    edited = tmp_path / "edited"
+    run = CliRunner().invoke(main, ["edit", str(stem_dir), "--swap", "w5=w9", "--swap", "w7=w8", "--output", str(edited)])
+    assert run.exit_code == 0, run.output
+    edited_digest, write_rows, calls = files_digest(edited), editing._write_rows, []
+
+    def fail_second(*args):  # the first restored rows are written, then the disk fills
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write_rows(*args)
+
+    monkeypatch.setattr(editing, "_write_rows", fail_second)
+    with pytest.raises(OSError):
+        editing.undo_edits(edited)
+    assert files_digest(edited) == edited_digest and not list(edited.glob(".*"))  # no file changed, no temporary
+    monkeypatch.setattr(editing, "_write_rows", write_rows)
+    assert editing.undo_edits(edited) == 1 and files_digest(edited) == before
+
+
 def test_prompt_prints_before_and_after_and_writes_nothing(stem_dir):
     before = files_digest(stem_dir)
     run = CliRunner().invoke(main, ["edit", str(stem_dir), "--swap", "w5=w9", "--prompt", PROMPT,
