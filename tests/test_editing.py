@@ -102,7 +102,7 @@ def test_run_time_edit_equals_the_persistent_edit_and_leaves_other_positions_bit
         assert [o.positions for o in found] == [(1,), (4,)]
         rows, runtime = up_rows(model, ids)
     for layer in model.config.stem_layers:
-        target = plain_rows[layer].new_tensor(model.stem_table_rows(layer, torch.tensor([9]))[0])
+        target = model.stem_table_rows(layer, torch.tensor([9]))[0].to(plain_rows[layer])
         keep = torch.tensor([p not in (1, 4) for p in range(ids.shape[1])])
         assert torch.equal(rows[layer][keep], plain_rows[layer][keep])  # bit-identical outside the entity
         assert torch.equal(rows[layer][1], target) and torch.equal(rows[layer][4], target)

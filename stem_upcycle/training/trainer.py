@@ -160,7 +160,10 @@ class Trainer:
             set_handoff(student, self.teacher)
         self.trainable = select_trainable(student, t.trainable, recipe.lora)
         if t.gradient_checkpointing:
-            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(student, "activation_checkpointing_enable"):  # Transformers 5.24's name; the old one warns
+                student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:  # the declared range starts at 4.57, which has only the old name
+                student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         student.train()  # from_pretrained returns eval mode, in which Transformers never checkpoints
         spec = HeadLoss.for_config(student.config, ce_weight=recipe.loss.ce_weight, kd_weight=recipe.loss.kd_weight,
                                    temperature=recipe.loss.temperature, chunk_tokens=recipe.loss.chunk_tokens)
