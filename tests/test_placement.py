@@ -152,6 +152,89 @@ def test_mmap_model_trains_its_dense_parts_with_checkpointing(stem_dir, ids):
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("threads, lookahead", [(0, 8), (4, 1), (16, 8)])
+def test_mmap_reads_ahead_on_threads_and_gives_the_rows_of_memory(tmp_path, monkeypatch, threads, lookahead):
+    from stem_upcycle.modeling import stem_tables
+
+    monkeypatch.setattr(stem_tables, "READ_THREADS", threads)  # 0: every read in the forward's thread
+    monkeypatch.setattr(stem_tables, "LOOKAHEAD_LAYERS", lookahead)
+    monkeypatch.setattr(stem_tables, "MIN_ROWS_PER_READ_TASK", 2)  # several read tasks per layer
+    tiny_stem("llama", layers=(0, 1, 2)).save_pretrained(tmp_path / "m", max_shard_size="40KB")
+    memory, mapped = load(tmp_path / "m", "memory"), load(tmp_path / "m", "mmap")
+    assert (mapped.stem_placement._pool is None) == (threads == 0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for length in (64, 1, 17):
+            x = torch.randint(0, VOCAB, (2, length))
+            torch.testing.assert_close(mapped(x).logits, memory(x).logits, rtol=1e-6, atol=1e-6)
+    assert getattr(mapped.stem_placement._local, "prefetch", None) is None  # nothing in flight between forwards
+
+
+def test_mmap_reads_a_run_of_consecutive_rows_at_once_and_shadows_rows_set_later(stem_dir, monkeypatch):
+    import os
+
+    from stem_upcycle.modeling import table_files
+
+    memory, mapped = load(stem_dir, "memory"), load(stem_dir, "mmap")
+    reads, preadv = [], os.preadv
+    monkeypatch.setattr(table_files.os, "preadv", lambda *a: reads.append(a) or preadv(*a))
+    ids = torch.tensor([3, 4, 5, 9, 10, 2, 40])  # runs 3-5, 9-10, 2, 40
+    torch.testing.assert_close(mapped.stem_table_rows(2, ids), memory.stem_table_rows(2, ids))
+    assert len(reads) == 4
+    mapped.stem_placement.set_rows(2, torch.tensor([9, 2, 9]), torch.arange(3.0)[:, None].expand(3, 48))
+    mapped.stem_placement.set_rows(2, torch.tensor([40]), torch.full((1, 48), 7.0))
+    rows = mapped.stem_table_rows(2, ids)
+    assert rows[:, 0].tolist()[3:] == [2.0, memory.stem_table_rows(2, ids)[4, 0].item(), 1.0, 7.0]  # 9: the later
+
+
+def test_a_forward_whose_read_fails_leaves_no_read_in_flight(stem_dir, monkeypatch, ids):
+    import time
+
+    from stem_upcycle.modeling import stem_tables
+
+    monkeypatch.setattr(stem_tables, "MIN_ROWS_PER_READ_TASK", 2)  # several reads in flight
+    memory, mapped = load(stem_dir, "memory"), load(stem_dir, "mmap")
+    read_rows, lock, calls, finished = stem_tables.read_rows, threading.Lock(), [], []
+
+    def failing(fd, table, ids_, out):
+        with lock:
+            calls.append(1)
+            first = len(calls) == 1
+        if first:
+            raise OSError(5, "Input/output error")
+        time.sleep(0.1)  # still reading when the forward fails
+        read_rows(fd, table, ids_, out)
+        finished.append(1)
+
+    monkeypatch.setattr(stem_tables, "read_rows", failing)
+    with pytest.raises(OSError, match="Input/output error"), torch.no_grad():
+        mapped(ids)
+    assert len(calls) > 2 and len(finished) == len(calls) - 1  # every read started had ended when it raised
+    time.sleep(0.3)
+    assert len(finished) == len(calls) - 1  # and none started after
+    monkeypatch.setattr(stem_tables, "read_rows", read_rows)
+    with torch.no_grad():  # the next forward of the thread starts clean
+        torch.testing.assert_close(mapped(ids).logits, memory(ids).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_a_row_read_past_the_end_of_its_file_is_a_one_line_error(tmp_path):
+    import os
+
+    from stem_upcycle.modeling.table_files import TableFile, read_rows
+
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(bytes(100))  # a file cut short after the model loaded: 5 rows of 20 bytes where 10 were
+    table, out = TableFile(str(path), 0, (10, 5), torch.float32), torch.empty(2, 5)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_rows(fd, table, torch.tensor([1, 4]), out)
+        with pytest.raises(StemTablesError) as err:
+            read_rows(fd, table, torch.tensor([1, 8]), out)
+    finally:
+        os.close(fd)
+    assert "cut.safetensors ended while reading table rows" in one_line(err)
+
+
 def test_the_id_check_never_reads_ids_back_from_a_device():
     check_ids(torch.empty(4, dtype=torch.long, device="meta"), VOCAB)  # would raise if it read the values
     with pytest.raises(ValueError, match="must lie in"):

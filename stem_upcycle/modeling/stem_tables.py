@@ -18,13 +18,14 @@ import math
 import os
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from .forward_ids import ForwardIds, check_ids
-from .table_files import StemTablesError, StoredTable, checkpoint_files, locate_tables, read_whole
+from .table_files import StemTablesError, StoredTable, checkpoint_files, locate_tables, read_rows, read_whole
 from .table_format import TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
@@ -78,6 +79,13 @@ class RowAccess:
                 f"(`stem-upcycle compress MODEL OUT --table-dtype float32`) and load that with stem_tables='memory'")
 
 
+# Reads of cold rows in flight at once (threads; 0: every read in the forward's own thread), and how many STEM
+# layers ahead of the running one a forward's rows are read: the rows held at once are bounded by it.
+READ_THREADS = int(os.environ.get("STEM_READ_THREADS", "16"))
+LOOKAHEAD_LAYERS = int(os.environ.get("STEM_READ_AHEAD_LAYERS", "8"))
+MIN_ROWS_PER_READ_TASK = 32  # fewer, and handing the task to a thread costs more than the reads
+
+
 class MmapTables(RowAccess):
     """Tables left in the checkpoint's files: each forward reads the rows of its distinct ids.
 
@@ -88,6 +96,12 @@ class MmapTables(RowAccess):
     and repeated rows come from the page cache. A compressed table's scales (1.6% of its int8
     values' bytes with 128-element blocks, 6% of int4's) are read whole when the model loads, so a
     row costs one read, as a float row does, rather than two (a cold row's scales lie on another page).
+
+    A forward's ids are known before its first layer runs: `begin` issues the reads of the first
+    STEM layers' rows at once, on a pool of threads (`READ_THREADS`), and each layer that takes its
+    rows issues those of the layer `LOOKAHEAD_LAYERS` further on. Rows not in the page cache then
+    wait on the disk together, and later layers' rows arrive while earlier layers compute, as the
+    official STEM engine stages a chunk's rows while the previous one computes.
 
     The files are never written: rows set on a loaded model (`set_rows`, a knowledge edit) are kept
     in memory and shadow the files' rows in every read.
@@ -104,33 +118,51 @@ class MmapTables(RowAccess):
                     self._fds[part.path] = fd = os.open(part.path, os.O_RDONLY)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
                     weakref.finalize(self, os.close, fd)
-        self.overlay = {}  # layer -> {id: {part: row} set on the loaded model}
+        self.overlay = {}  # layer -> {"ids": sorted ids [m], part: [m, ...] their stored rows set on the loaded model}
         self.resident = {layer: {name: read_whole(where) for name, where in table.parts.items() if name == "scales"}
                          for layer, table in stored.items()}  # layer -> {part: the whole tensor in memory}
+        self._pool = None
+        if READ_THREADS > 0:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stem-rows")
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        self._local = threading.local()  # this thread's forward in flight (`RowPrefetch`)
 
     def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per part, [n, ...] the stored rows of the ids `ids` [n], read from the files."""
+        return self._finish(layer, ids, self._start(layer, ids, pool=None))
+
+    def _start(self, layer: int, ids: torch.Tensor, pool) -> tuple[dict, list]:
+        """(the parts' rows of `ids` [n], being read; the reads in flight): on `pool` in tasks of a share of
+        the ids each, or here and now without one."""
         table = self.stored[layer]
         check_ids(ids, table.shape[0])  # a read past a table would return another tensor's bytes
-        overlay = self.overlay.get(layer, {})
-        tokens = ids.tolist()
-        parts = {}
+        parts, reads = {}, []
         for name, where in table.parts.items():
             if name in self.resident[layer]:
                 parts[name] = self.resident[layer][name][ids]
-                for i, token in enumerate(tokens):
-                    if token in overlay:
-                        parts[name][i] = overlay[token][name]
                 continue
-            rows = torch.empty(len(tokens), where.shape[1], dtype=where.dtype)
-            buffer = memoryview(rows.view(torch.uint8).numpy()).cast("B")
-            fd, size = self._fds[where.path], where.row_bytes
-            for i, token in enumerate(tokens):
-                if token in overlay:
-                    rows[i] = overlay[token][name]
-                else:
-                    os.preadv(fd, [buffer[i * size:(i + 1) * size]], where.offset + token * size)
-            parts[name] = rows
+            rows = parts[name] = torch.empty(ids.numel(), where.shape[1], dtype=where.dtype, device="cpu")
+            fd = self._fds[where.path]
+            if pool is None:
+                read_rows(fd, where, ids, rows)
+                continue
+            step = max(MIN_ROWS_PER_READ_TASK, -(-ids.numel() // READ_THREADS))
+            for begin in range(0, ids.numel(), step):
+                reads.append(pool.submit(read_rows, fd, where, ids[begin : begin + step], rows[begin : begin + step]))
+        return parts, reads
+
+    def _finish(self, layer: int, ids: torch.Tensor, started: tuple[dict, list]) -> dict[str, torch.Tensor]:
+        """The parts' rows once their reads are done, with the rows set on the loaded model in place."""
+        parts, reads = started
+        for read in reads:
+            read.result()
+        overlay = self.overlay.get(layer)
+        if overlay is not None:
+            where = torch.searchsorted(overlay["ids"], ids).clamp(max=overlay["ids"].numel() - 1)
+            hit = overlay["ids"][where] == ids  # [n]
+            if bool(hit.any()):
+                for name, rows in parts.items():
+                    rows[hit] = overlay[name][where[hit]]
         return parts
 
     def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
@@ -138,35 +170,78 @@ class MmapTables(RowAccess):
         table = self.stored[layer]
         if not 0 <= start <= stop <= table.shape[0]:
             raise ValueError(f"rows {start}..{stop - 1} lie outside the table's {table.shape[0]} rows")
-        parts = {}
-        for name, where in table.parts.items():
-            if name in self.resident[layer]:
-                rows = parts[name] = self.resident[layer][name][start:stop].clone()
-            else:
-                rows = parts[name] = torch.empty(stop - start, where.shape[1], dtype=where.dtype)
-                os.preadv(self._fds[where.path], [memoryview(rows.view(torch.uint8).numpy()).cast("B")],
-                          where.offset + start * where.row_bytes)
-            for token, row in self.overlay.get(layer, {}).items():
-                if start <= token < stop:
-                    rows[token - start] = row[name]
-        return table.format.decode(parts, table.float_dtype)
+        return table.format.decode(self.read_parts(layer, torch.arange(start, stop)), table.float_dtype)
 
     def set_parts(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        """Stored rows of `ids` [n] from now on, held in memory (the files stay as they are)."""
-        overlay = self.overlay.setdefault(layer, {})
-        for i, token in enumerate(ids.tolist()):
-            overlay[token] = {name: rows[i].clone() for name, rows in parts.items()}
+        """Stored rows of `ids` [n] from now on, held in memory (the files stay as they are); of an id
+        given twice, the later rows."""
+        ids = ids.cpu().long()
+        old = self.overlay.get(layer)
+        if old is not None:  # rows set earlier, for ids not set again now, stay
+            kept = ~torch.isin(old["ids"], ids)
+            ids = torch.cat([old["ids"][kept], ids])
+            parts = {name: torch.cat([old[name][kept], rows.cpu()]) for name, rows in parts.items()}
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        last = torch.zeros_like(distinct).scatter_reduce_(0, inverse, torch.arange(ids.numel()), reduce="amax")
+        self.overlay[layer] = {"ids": distinct, **{name: rows.cpu()[last].clone() for name, rows in parts.items()}}
+
+    def begin(self, forward: ForwardIds) -> None:
+        self._cancel()  # a forward of this thread that failed midway leaves no read behind
+        if self._pool is not None:
+            self._local.prefetch = forward.plan = RowPrefetch(self, forward.unique()[0])
 
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         unique, inverse = forward.unique()
-        rows = self.stored[layer].format.decode(self.read_parts(layer, unique), dtype)  # [n_distinct, d_ff]
+        plan = forward.plan if isinstance(forward.plan, RowPrefetch) else None
+        parts = plan.take(layer) if plan is not None else self.read_parts(layer, unique)
+        rows = self.stored[layer].format.decode(parts, dtype)  # [n_distinct, d_ff]
         return rows[inverse].to(device, non_blocking=True)  # [batch, seq, d_ff]
 
-    def begin(self, forward: ForwardIds) -> None:
-        pass
-
     def end(self, forward: ForwardIds) -> None:
-        pass
+        self._cancel()
+
+    def _cancel(self) -> None:
+        prefetch = getattr(self._local, "prefetch", None)
+        if prefetch is not None:
+            prefetch.cancel()
+            self._local.prefetch = None
+
+
+class RowPrefetch:
+    """One forward's row reads, issued `LOOKAHEAD_LAYERS` STEM layers ahead of the layer that takes its rows."""
+
+    def __init__(self, tables: MmapTables, ids: torch.Tensor):
+        self.tables, self.ids = tables, ids  # sorted distinct lookup ids [n]
+        self.layers = iter(sorted(tables.stored))  # in the order the forward runs them
+        self.started = {}  # layer -> (parts being read, reads in flight)
+        for _ in range(LOOKAHEAD_LAYERS):
+            self._start_next()
+
+    def _start_next(self) -> None:
+        layer = next(self.layers, None)
+        if layer is not None:
+            self.started[layer] = self.tables._start(layer, self.ids, self.tables._pool)
+
+    def take(self, layer: int) -> dict[str, torch.Tensor]:
+        """The layer's rows; a layer run again (gradient checkpointing's recompute) reads them again, here."""
+        started = self.started.pop(layer, None)
+        self._start_next()
+        if started is None:
+            return self.tables.read_parts(layer, self.ids)
+        try:
+            return self.tables._finish(layer, self.ids, started)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """Drop the reads not started; wait for those running, which write into this forward's buffers."""
+        reads = [read for _, pending in self.started.values() for read in pending]
+        self.started.clear()
+        self.layers = iter(())
+        for read in reads:
+            read.cancel()
+        wait(reads)
 
 
 class CompressedMemoryTables(RowAccess):

@@ -1,5 +1,5 @@
 """A STEM checkpoint's table files: where each table's tensors lie (safetensors headers read directly), and
-reading one whole.
+reading one whole or some of its rows.
 
 Exported next to the weights, so it imports only torch, transformers and the standard library.
 """
@@ -162,3 +162,21 @@ def read_whole(table: TableFile) -> torch.Tensor:
                 raise StemTablesError(f"{table.path} ended while reading a table; download or export it again")
             done += n
     return tensor
+
+
+def read_rows(fd: int, table: TableFile, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """Rows `ids` [n] of `table` into `out` [n, width], by positioned reads of the open file `fd`: one
+    read per run of consecutive ids (ids[i + 1] == ids[i] + 1), whose rows lie side by side in both.
+    os.preadv releases the GIL, so reads issued from several threads wait on the disk together."""
+    n = ids.numel()
+    if not n:
+        return
+    buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    size = table.row_bytes
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (ids[1:] != ids[:-1] + 1).nonzero().flatten() + 1])
+    bounds = torch.cat([starts, torch.tensor([n])]).tolist()
+    first_ids = ids[starts].tolist()
+    for (begin, stop), token in zip(zip(bounds, bounds[1:]), first_ids):
+        want = (stop - begin) * size
+        if os.preadv(fd, [buffer[begin * size : stop * size]], table.offset + token * size) != want:
+            raise StemTablesError(f"{table.path} ended while reading table rows; download or export it again")
