@@ -53,8 +53,9 @@ def machine() -> str:
 # --- the models -------------------------------------------------------------------------------------
 
 
-def prepare(work: Path, model: str) -> dict[str, Path]:
-    """{variant: checkpoint directory}, made once: dense, stem-third, stem-all."""
+def prepare(work: Path, model: str, variants: dict[str, str] | None = None) -> dict[str, Path]:
+    """{variant: checkpoint directory}, made once: dense, and each of `variants` ({name: --layers}; by
+    default stem-third and stem-all)."""
     from stem_upcycle.convert import plan_conversion, run_conversion
     from stem_upcycle.source import open_source
 
@@ -62,14 +63,14 @@ def prepare(work: Path, model: str) -> dict[str, Path]:
     dense = folder / "dense"
     if not (dense / "config.json").exists():
         make_dense(model, dense)
-    variants = {"dense": dense}
-    for name, layers in (("stem-third", "1/3"), ("stem-all", "all")):
+    paths = {"dense": dense}
+    for name, layers in (variants or {"stem-third": "1/3", "stem-all": "all"}).items():
         out = folder / name
         if not (out / "config.json").exists():
             print(f"converting {model} ({layers} of the layers) into {out}", file=sys.stderr, flush=True)
             run_conversion(plan_conversion(open_source(str(dense)), layers=layers), out, overwrite=True)
-        variants[name] = out
-    return variants
+        paths[name] = out
+    return paths
 
 
 def make_dense(model: str, out: Path) -> None:
