@@ -79,11 +79,14 @@ class RowAccess:
                 f"(`stem-upcycle compress MODEL OUT --table-dtype float32`) and load that with stem_tables='memory'")
 
 
-# Reads of cold rows in flight at once (threads; 0: every read in the forward's own thread), and how many STEM
-# layers ahead of the running one a forward's rows are read: the rows held at once are bounded by it.
-READ_THREADS = int(os.environ.get("STEM_READ_THREADS", "16"))
+# Reads in flight at once (threads; 0: every read in the forward's own thread), and how many STEM layers ahead
+# of the running one a forward's rows are read (the rows held at once are bounded by it). Measured on 2 cores
+# (benchmarks/README.md, cold_rows.py): 4 threads read 15,120 cold SmolLM2 rows 4.5x faster than one; 16
+# were slower than 4, cold and warm, for the GIL each read takes back.
+READ_THREADS = int(os.environ.get("STEM_READ_THREADS", "4"))
 LOOKAHEAD_LAYERS = int(os.environ.get("STEM_READ_AHEAD_LAYERS", "8"))
-MIN_ROWS_PER_READ_TASK = 32  # fewer, and handing the task to a thread costs more than the reads
+MIN_ROWS_PER_READ_TASK = 64  # fewer (a decode step's) are read in the forward's thread: a hand-off to a thread
+                             # costs more than the reads when the compute threads keep the cores busy
 
 
 class MmapTables(RowAccess):
@@ -143,7 +146,7 @@ class MmapTables(RowAccess):
                 continue
             rows = parts[name] = torch.empty(ids.numel(), where.shape[1], dtype=where.dtype, device="cpu")
             fd = self._fds[where.path]
-            if pool is None:
+            if pool is None or ids.numel() < MIN_ROWS_PER_READ_TASK:
                 read_rows(fd, where, ids, rows)
                 continue
             step = max(MIN_ROWS_PER_READ_TASK, -(-ids.numel() // READ_THREADS))
@@ -231,12 +234,12 @@ class RowPrefetch:
         try:
             return self.tables._finish(layer, self.ids, started)
         except BaseException:
-            self.cancel()
+            self.cancel(started[1])  # the layer's other reads too
             raise
 
-    def cancel(self) -> None:
+    def cancel(self, taken: list = ()) -> None:
         """Drop the reads not started; wait for those running, which write into this forward's buffers."""
-        reads = [read for _, pending in self.started.values() for read in pending]
+        reads = [*taken, *(read for _, pending in self.started.values() for read in pending)]
         self.started.clear()
         self.layers = iter(())
         for read in reads:
