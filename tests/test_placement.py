@@ -161,13 +161,39 @@ def test_mmap_reads_ahead_on_threads_and_gives_the_rows_of_memory(tmp_path, monk
     monkeypatch.setattr(stem_tables, "MIN_ROWS_PER_READ_TASK", 2)  # several read tasks per layer
     tiny_stem("llama", layers=(0, 1, 2)).save_pretrained(tmp_path / "m", max_shard_size="40KB")
     memory, mapped = load(tmp_path / "m", "memory"), load(tmp_path / "m", "mmap")
-    assert (mapped.stem_placement._pool is None) == (threads == 0)
+    assert (mapped.stem_placement.pool() is None) == (threads == 0)
     torch.manual_seed(0)
     with torch.no_grad():
         for length in (64, 1, 17):
             x = torch.randint(0, VOCAB, (2, length))
             torch.testing.assert_close(mapped(x).logits, memory(x).logits, rtol=1e-6, atol=1e-6)
     assert getattr(mapped.stem_placement._local, "prefetch", None) is None  # nothing in flight between forwards
+
+
+def test_a_process_forked_after_a_forward_reads_rows_with_threads_of_its_own(stem_dir):
+    import multiprocessing
+
+    ids = torch.arange(VOCAB).flip(0)[None]  # more distinct ids than a read in the forward's thread takes
+    memory, mapped = load(stem_dir, "memory"), load(stem_dir, "mmap")
+    with torch.no_grad():
+        expected = memory(ids).logits
+        mapped(ids)  # the parent's reading threads exist now: a forked child has none of them
+    parent = mapped.stem_placement.pool()
+
+    def child(queue):
+        torch.set_num_threads(1)  # as a data loader's worker does
+        with torch.no_grad():
+            same = torch.allclose(mapped(ids).logits, expected, rtol=1e-6, atol=1e-6)
+        queue.put((same, mapped.stem_placement.pool() is not parent))
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    process = context.Process(target=child, args=(queue,))
+    process.start()
+    process.join(60)
+    process.kill()
+    assert process.exitcode == 0 and queue.get(timeout=5) == (True, True)
+    assert mapped.stem_placement.pool() is parent
 
 
 def test_mmap_reads_a_run_of_consecutive_rows_at_once_and_shadows_rows_set_later(stem_dir, monkeypatch):

@@ -124,10 +124,7 @@ class MmapTables(RowAccess):
         self.overlay = {}  # layer -> {"ids": sorted ids [m], part: [m, ...] their stored rows set on the loaded model}
         self.resident = {layer: {name: read_whole(where) for name, where in table.parts.items() if name == "scales"}
                          for layer, table in stored.items()}  # layer -> {part: the whole tensor in memory}
-        self._pool = None
-        if READ_THREADS > 0:
-            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stem-rows")
-            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        self._pool, self._pool_pid = None, None  # made by the first forward of each process (`pool`)
         self._local = threading.local()  # this thread's forward in flight (`RowPrefetch`)
 
     def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -188,9 +185,17 @@ class MmapTables(RowAccess):
         last = torch.zeros_like(distinct).scatter_reduce_(0, inverse, torch.arange(ids.numel()), reduce="amax")
         self.overlay[layer] = {"ids": distinct, **{name: rows.cpu()[last].clone() for name, rows in parts.items()}}
 
+    def pool(self) -> ThreadPoolExecutor | None:
+        """The reading threads of this process: a process forked after loading (a data loader's worker)
+        has none of its parent's threads, and a pool of them would never run a read."""
+        if READ_THREADS > 0 and self._pool_pid != os.getpid():
+            self._pool, self._pool_pid = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="stem-rows"), os.getpid()
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        return self._pool
+
     def begin(self, forward: ForwardIds) -> None:
         self._cancel()  # a forward of this thread that failed midway leaves no read behind
-        if self._pool is not None:
+        if self.pool() is not None:
             self._local.prefetch = forward.plan = RowPrefetch(self, forward.unique()[0])
 
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -223,7 +228,7 @@ class RowPrefetch:
     def _start_next(self) -> None:
         layer = next(self.layers, None)
         if layer is not None:
-            self.started[layer] = self.tables._start(layer, self.ids, self.tables._pool)
+            self.started[layer] = self.tables._start(layer, self.ids, self.tables.pool())
 
     def take(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's rows; a layer run again (gradient checkpointing's recompute) reads them again, here."""
