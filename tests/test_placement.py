@@ -261,6 +261,18 @@ def test_a_row_read_past_the_end_of_its_file_is_a_one_line_error(tmp_path):
     assert "cut.safetensors ended while reading table rows" in one_line(err)
 
 
+def test_a_read_the_kernel_returns_in_pieces_is_completed(stem_dir, monkeypatch):
+    import os
+
+    from stem_upcycle.modeling import table_files
+
+    memory, mapped = load(stem_dir, "memory"), load(stem_dir, "mmap")
+    preadv = os.preadv
+    monkeypatch.setattr(table_files.os, "preadv", lambda fd, buffers, offset: preadv(fd, [buffers[0][:7]], offset))
+    ids = torch.tensor([3, 4, 5, 40])  # as a read past 2 GB returns less than asked
+    torch.testing.assert_close(mapped.stem_table_rows(2, ids), memory.stem_table_rows(2, ids))
+
+
 def test_the_id_check_never_reads_ids_back_from_a_device():
     check_ids(torch.empty(4, dtype=torch.long, device="meta"), VOCAB)  # would raise if it read the values
     with pytest.raises(ValueError, match="must lie in"):

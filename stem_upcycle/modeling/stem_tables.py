@@ -170,7 +170,7 @@ class MmapTables(RowAccess):
         table = self.stored[layer]
         if not 0 <= start <= stop <= table.shape[0]:
             raise ValueError(f"rows {start}..{stop - 1} lie outside the table's {table.shape[0]} rows")
-        return table.format.decode(self.read_parts(layer, torch.arange(start, stop)), table.float_dtype)
+        return table.format.decode(self.read_parts(layer, torch.arange(start, stop, device="cpu")), table.float_dtype)
 
     def set_parts(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """Stored rows of `ids` [n] from now on, held in memory (the files stay as they are); of an id

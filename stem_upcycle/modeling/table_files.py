@@ -152,31 +152,31 @@ def read_whole(table: TableFile) -> torch.Tensor:
     """The tensor read from its file into host memory."""
     # device="cpu" also under a `torch.device("meta")` context, where vLLM builds its models
     tensor = torch.empty(table.shape, dtype=table.dtype, device="cpu")
-    buffer = memoryview(tensor.view(torch.uint8).numpy()).cast("B")
-    with open(table.path, "rb") as f:
-        f.seek(table.offset)
-        done = 0
-        while done < table.nbytes:
-            n = f.readinto(buffer[done:])
-            if not n:
-                raise StemTablesError(f"{table.path} ended while reading a table; download or export it again")
-            done += n
+    fd = os.open(table.path, os.O_RDONLY)
+    try:
+        read_rows(fd, table, torch.arange(table.shape[0], device="cpu"), tensor)  # one run: every row
+    finally:
+        os.close(fd)
     return tensor
 
 
 def read_rows(fd: int, table: TableFile, ids: torch.Tensor, out: torch.Tensor) -> None:
     """Rows `ids` [n] of `table` into `out` [n, width], by positioned reads of the open file `fd`: one
-    read per run of consecutive ids (ids[i + 1] == ids[i] + 1), whose rows lie side by side in both.
+    read per run of consecutive ids (ids[i + 1] == ids[i] + 1), whose rows lie side by side in both,
+    repeated where the kernel returns less (a read stops at 2 GB on Linux).
     os.preadv releases the GIL, so reads issued from several threads wait on the disk together."""
     n = ids.numel()
     if not n:
         return
     buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
     size = table.row_bytes
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), (ids[1:] != ids[:-1] + 1).nonzero().flatten() + 1])
-    bounds = torch.cat([starts, torch.tensor([n])]).tolist()
+    starts = torch.cat([ids.new_zeros(1), (ids[1:] != ids[:-1] + 1).nonzero().flatten() + 1])  # ids' device: the CPU
+    bounds = torch.cat([starts, starts.new_tensor([n])]).tolist()
     first_ids = ids[starts].tolist()
     for (begin, stop), token in zip(zip(bounds, bounds[1:]), first_ids):
-        want = (stop - begin) * size
-        if os.preadv(fd, [buffer[begin * size : stop * size]], table.offset + token * size) != want:
-            raise StemTablesError(f"{table.path} ended while reading table rows; download or export it again")
+        view, offset, done = buffer[begin * size : stop * size], table.offset + token * size, 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if not got:
+                raise StemTablesError(f"{table.path} ended while reading table rows; download or export it again")
+            done += got
