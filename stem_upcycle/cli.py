@@ -172,7 +172,7 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
     if tokens > calib_tokens:
         raise UserError(f"--calib-generate {tokens} is more than --calib-tokens {calib_tokens}; raise --calib-tokens")
     tokenizer = load_tokenizer(source)
-    text = GeneratedText(source, Sampling(sequences=-(-tokens // Sampling.length)))
+    text = GeneratedText(source, Sampling.covering(tokens))
     ids, stats = text.ensure(model, tokenizer, progress=progress)
     if stats:
         click.echo(text.describe(stats["tokens"], stats["seconds"]), err=True)

@@ -44,6 +44,14 @@ class Sampling:
     temperature: float = 1.0  # for every later token, sampled from the full distribution
     seed: int = 0
 
+    @classmethod
+    def covering(cls, tokens: int, **settings) -> "Sampling":
+        """Enough sequences for `tokens` ids, in batches no larger than that (the one rule the CLI and the
+        trainer both ask for text by)."""
+        sequences = -(-tokens // settings.get("length", cls.length))
+        batch_size = min(settings.pop("batch_size", cls.batch_size), sequences)
+        return cls(sequences=sequences, batch_size=batch_size, **settings)
+
     @property
     def batches(self) -> int:
         return -(-self.sequences // self.batch_size)

@@ -105,7 +105,7 @@ def test_convert_calibrates_on_generated_text_without_any_data(tmp_path, monkeyp
             "--calib-tokens", "1024", "--calib-seq-len", "32", "--quiet"]
     first = CliRunner().invoke(main, [*args[:2], str(tmp_path / "a"), *args[2:]])
     assert first.exit_code == 0, first.output
-    assert "generated 8192 tokens" in first.output  # one whole batch of 32 sequences of 256, of which 4 are used
+    assert "generated 1024 tokens" in first.output  # 4 sequences of 256, one batch of 4 (Sampling.covering)
     second = CliRunner().invoke(main, [*args[:2], str(tmp_path / "b"), *args[2:]])
     assert second.exit_code == 0 and "generated" not in second.output  # read back from the cache
     weights = "model-00001-of-00001.safetensors"

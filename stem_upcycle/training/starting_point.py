@@ -29,10 +29,8 @@ def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> t
     if context and length > context:
         raise RecipeError(f"generated.length {length} passes the teacher's context of {context} positions; "
                           f"give at most {context}")
-    sequences = -(-g.tokens // length)
-    sampling = Sampling(sequences=sequences, length=length, batch_size=min(g.batch_size, sequences),
-                        first_tokens=g.first_tokens, first_top_k=g.first_top_k, temperature=g.temperature,
-                        seed=g.seed)
+    sampling = Sampling.covering(g.tokens, length=length, batch_size=g.batch_size, first_tokens=g.first_tokens,
+                                 first_top_k=g.first_top_k, temperature=g.temperature, seed=g.seed)
     text = GeneratedText(source, sampling, g.cache_dir)
     with acc.autocast():  # every process generates its share of the missing batches
         mine = text.generate(teacher, tokenizer, acc.process_index, acc.num_processes,
