@@ -2,6 +2,7 @@
 bring them back. No training.
 
     python benchmarks/fact_positions.py runs/smollm2-stem/init        # a conversion of smollm2-135m
+    python benchmarks/fact_positions.py CONVERTED --per-layer         # which layers cost facts, each alone
 
 For each packaged factual prompt ("The capital of Spain is" -> " Madrid"), the dense model's top-1 next
 token after the prompt is compared with the answer's first token, with the up-projection of the
@@ -9,6 +10,11 @@ converted layers replaced by the STEM table row (U[token id]) at chosen position
 model), everywhere (the converted model), everywhere but the prompt's last token, the last token only.
 Then the rows of the prompts' tokens are recalibrated on the prompts themselves (the gate-weighted mean
 of `--init calib`): an upper bound for what better-estimated rows can give back.
+
+"Converted" reads the rows where the converted model does: every position, or every position but each
+prompt's first with the dense first token (`stem_dense_first_token`). `--per-layer` scores each of the
+conversion's layers converted alone that way (convert every layer, `--layers all`, to rank them all):
+which layers a model that must keep its facts can convert.
 """
 
 import argparse
@@ -35,12 +41,13 @@ class TableRows:
 
     def __init__(self, model, tables: dict[int, torch.Tensor]):
         self.tables, self.ids, self.mask = tables, None, None
+        self.only = None  # the layers whose rows are read (None: every layer of `tables`)
         for layer in tables:
             model.model.layers[layer].mlp.up_proj.register_forward_hook(self._hook(layer))
 
     def _hook(self, layer: int):
         def replace(module, inputs, out):  # out: [1, T, intermediate]
-            if self.mask is None:
+            if self.mask is None or (self.only is not None and layer not in self.only):
                 return out
             return torch.where(self.mask[None, :, None], self.tables[layer][self.ids], out)
         return replace
@@ -77,6 +84,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("converted", help="a STEM conversion of --parent (its tables are read)")
     parser.add_argument("--parent", default="smollm2-135m")
+    parser.add_argument("--per-layer", action="store_true", help="facts kept with each layer converted alone")
     args = parser.parse_args()
 
     model, source = load_model(args.parent)
@@ -97,9 +105,16 @@ def main():
         return hits
 
     last = lambda n: torch.arange(n) == n - 1  # noqa: E731
+    first_read = int(bool(getattr(open_source(args.converted).config, "stem_dense_first_token", False)))
+    converted = lambda n: torch.arange(n) >= first_read  # noqa: E731  (where the converted model reads rows)
     print(f"{len(facts)} prompts, layers {sorted(tables)}; answer's first token is the top-1 next token:")
     print(f"  dense model:                  {correct(lambda n: None)}")
-    print(f"  rows everywhere (converted):  {correct(lambda n: torch.ones(n, dtype=torch.bool))}")
+    if args.per_layer:
+        for layer in sorted(tables):
+            rows.only = {layer}
+            print(f"  layer {layer} alone (converted): {correct(converted)}", flush=True)
+        return
+    print(f"  rows as converted:            {correct(converted)}")
     print(f"  rows all but the last token:  {correct(lambda n: ~last(n))}")
     print(f"  rows at the last token only:  {correct(last)}")
     recalibrate_on(model, tables, prompts)
