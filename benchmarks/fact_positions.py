@@ -27,19 +27,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stem_upcycle.loading import load_model, load_tokenizer  # noqa: E402
 from stem_upcycle.facts import load_facts  # noqa: E402
-from stem_upcycle.source import open_source  # noqa: E402
 
 
-def read_tables(converted: str) -> dict[int, torch.Tensor]:
-    """{layer: [vocab, intermediate] table} of a STEM checkpoint written by `convert` or `train`."""
-    tensors = open_source(converted).tensors
-    return {int(name.split(".")[2]): tensors.get(name) for name in tensors.names() if name.endswith("mlp.up_table.weight")}
+class PromptRows:
+    """One layer's rows of the prompts' distinct ids, indexed by token id as the whole table would be."""
+
+    def __init__(self, ids: torch.Tensor, rows: torch.Tensor):
+        self.ids, self.rows = ids, rows  # sorted [k], [k, intermediate]
+
+    def __getitem__(self, tokens):
+        return self.rows[torch.searchsorted(self.ids, torch.as_tensor(tokens))]
+
+    def __setitem__(self, token, row):
+        self.rows[torch.searchsorted(self.ids, torch.as_tensor(token))] = row
+
+
+def read_tables(converted: str, ids: torch.Tensor) -> tuple[dict[int, PromptRows], bool]:
+    """({layer: its rows of the sorted `ids`} of a STEM checkpoint written by `convert` or `train`, whether it
+    keeps the dense first token). Only those rows are read (`mmap`), whatever the tables weigh."""
+    stem, _ = load_model(converted, stem_tables="mmap")
+    tables = {layer: PromptRows(ids, stem.stem_table_rows(layer, ids).float()) for layer in stem.config.stem_layers}
+    return tables, bool(getattr(stem.config, "stem_dense_first_token", False))
 
 
 class TableRows:
     """Forward hooks that replace the dense up-projection's output by table rows where `mask` is set."""
 
-    def __init__(self, model, tables: dict[int, torch.Tensor]):
+    def __init__(self, model, tables: dict[int, PromptRows]):
         self.tables, self.ids, self.mask = tables, None, None
         self.only = None  # the layers whose rows are read (None: every layer of `tables`)
         for layer in tables:
@@ -54,7 +68,7 @@ class TableRows:
 
 
 @torch.no_grad()
-def recalibrate_on(model, tables: dict[int, torch.Tensor], prompts: list[torch.Tensor]) -> None:
+def recalibrate_on(model, tables: dict[int, PromptRows], prompts: list[torch.Tensor]) -> None:
     """Rows of the prompts' tokens set to the gate-weighted mean of W_up x over the prompts (dense forward).
 
     Not CalibratedInit: it cuts one stream into windows (each prompt would see the ones before it) and refits
@@ -89,10 +103,10 @@ def main():
 
     model, source = load_model(args.parent)
     tokenizer = load_tokenizer(source)
-    tables = read_tables(args.converted)
-    rows = TableRows(model, tables)
     facts = load_facts()
     prompts = [tokenizer(f.prompt, return_tensors="pt")["input_ids"] for f in facts]
+    tables, dense_first = read_tables(args.converted, torch.cat([ids[0] for ids in prompts]).unique())
+    rows = TableRows(model, tables)
     answers = [tokenizer(" " + f.answers[0])["input_ids"][0] for f in facts]
 
     @torch.no_grad()
@@ -105,8 +119,7 @@ def main():
         return hits
 
     last = lambda n: torch.arange(n) == n - 1  # noqa: E731
-    first_read = int(bool(getattr(open_source(args.converted).config, "stem_dense_first_token", False)))
-    converted = lambda n: torch.arange(n) >= first_read  # noqa: E731  (where the converted model reads rows)
+    converted = lambda n: torch.arange(n) >= int(dense_first)  # noqa: E731  (where the converted model reads rows)
     print(f"{len(facts)} prompts, layers {sorted(tables)}; answer's first token is the top-1 next token:")
     print(f"  dense model:                  {correct(lambda n: None)}")
     if args.per_layer:
