@@ -5,11 +5,11 @@
     python benchmarks/frontier.py --counts '' --layers 15,21                  # a point of chosen layers
 
 Each point converts COUNT of the source's layers, chosen by `--layers auto:COUNT/N` (every layer
-calibrated, each scored alone on calibration windows left out of it; the calibration text is the
-recipe's mix of the user's text and text the parent generated) or evenly spaced from layer 0
+calibrated, each scored alone on calibration windows left out of it and on the completions of the
+ranking facts; the calibration text is the recipe's mix of the user's text and text the parent generated) or evenly spaced from layer 0
 (`COUNT/N`), and recovers it with the recipe unchanged otherwise (`stem-upcycle train RECIPE
 --set model.layers=...`, its own process). The ranking is measured once: the first auto point's
-conversion keeps every layer's cost in its config (`stem_layer_costs`), and the other auto points
+conversion keeps every layer's costs in its config (`stem_layer_costs`, `stem_layer_fact_costs`), and the other auto points
 convert the cheapest COUNT layers of it as an explicit list (the same choice, without calibrating and
 scoring all layers again). Then, each in its own process:
 
@@ -42,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from stem_upcycle.table_init.layer_choice import rank_layers  # noqa: E402
 from stem_upcycle.training.recipe import load_recipe  # noqa: E402
 
 PARTS = ("train", "eval", "lastword", "edits", "decode")
@@ -145,12 +146,14 @@ def measure(name: str, model: str, folder: Path, args, sets, recipe, layers: str
     return record
 
 
-def measured_costs(output: Path) -> dict | None:
-    """Every layer's cost converted alone, as an earlier auto point's conversion measured it (None before)."""
+def measured_ranking(output: Path) -> list[int] | None:
+    """Every layer, cheapest first, as an earlier auto point's conversion ranked them (None before)."""
     for config in sorted(output.glob("auto-*/model/config.json")):
-        costs = json.loads(config.read_text()).get("stem_layer_costs")
-        if costs:
-            return costs
+        config = json.loads(config.read_text())
+        if costs := config.get("stem_layer_costs"):
+            fact_costs = config.get("stem_layer_fact_costs")  # absent where a conversion ranked by text alone
+            return rank_layers({int(k): v for k, v in costs.items()},
+                               fact_costs and {int(k): v for k, v in fact_costs.items()})
     return None
 
 
@@ -204,9 +207,9 @@ def main():
     measure("parent", recipe.model.source, args.output / "parent", args, sets, recipe, None)
     for count in map(int, filter(None, args.counts.split(","))):
         for select in args.select.split(","):
-            costs = measured_costs(args.output) if select == "auto" else None
-            spec = (f"{count}/{layers_total}" if select == "even" else f"auto:{count}/{layers_total}" if costs is None
-                    else ",".join(map(str, sorted(sorted(map(int, costs), key=lambda k: costs[str(k)])[:count]))))
+            ranking = measured_ranking(args.output) if select == "auto" else None
+            spec = (f"{count}/{layers_total}" if select == "even" else f"auto:{count}/{layers_total}" if ranking is None
+                    else ",".join(map(str, sorted(ranking[:count]))))
             name = f"{select}-{count}"
             folder = args.output / name
             measure(name, str(folder / "model"), folder, args, sets, recipe, spec)

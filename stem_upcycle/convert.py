@@ -189,14 +189,14 @@ def plan_conversion(
     if INITIALISERS[init].needs_data and not init_options.has_text:
         raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text) "
                               f"or --calib-generate TOKENS (text sampled from the model itself)")
-    auto_spec, layer_costs = None, None
+    auto_spec, layer_costs, fact_costs = None, None, None
     if is_auto(layers) and dry_run:  # sizes depend on the count alone: no calibration, no measurement
         check_auto(layers, init)
         auto_spec, stem_layers = layers, parse_layers(auto_fraction(layers), dense.num_hidden_layers)
     elif is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
         provisional = stem_config(dense, family, [0], init, torch.float32, False, dense_first)
-        stem_layers, init_options.calibration, layer_costs = select_layers(layers, source, family, provisional, init,
-                                                                           init_options, progress)
+        stem_layers, init_options.calibration, layer_costs, fact_costs = select_layers(
+            layers, source, family, provisional, init, init_options, progress)
     else:
         stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = resolve_dtype(dtype, source)
@@ -235,6 +235,7 @@ def plan_conversion(
     config.stem_table_format = table_format.to_config()
     if layer_costs is not None:  # what the choice rests on, kept for the user (and for choosing other counts)
         config.stem_layer_costs = {str(layer): round(cost, 4) for layer, cost in layer_costs.items()}
+        config.stem_layer_fact_costs = {str(layer): round(cost, 4) for layer, cost in fact_costs.items()}
     shards = plan_shards(specs, parse_shard_size(max_shard_size))
     return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config, init_options,
                           auto_spec, table_format)

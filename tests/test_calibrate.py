@@ -1,11 +1,12 @@
 """Calibrated initialisation: gate-weighted and plain per-token means, ridge fit for unseen tokens."""
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import stem_upcycle  # noqa: F401
 import stem_upcycle.table_init.calibrated as calibrate_module
@@ -154,15 +155,37 @@ def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_t
 
     dense, src = dense_with_tokenizer()
     text = calib_text(tmp_path)
-    costs = {}
+    measured = []  # the text's costs, then the facts'
     measure = sensitivity.measure_costs
-    monkeypatch.setattr(sensitivity, "measure_costs", lambda *a: costs.update(measure(*a)) or dict(costs))
+    monkeypatch.setattr(sensitivity, "measure_costs", lambda *a: measured.append(measure(*a)) or measured[-1])
     monkeypatch.setattr(sensitivity, "MEASURE_WINDOWS", 2)
+    facts_file = tmp_path / "facts.jsonl"  # in the tiny tokenizer's words, of different lengths
+    facts_file.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{(7 * i + j) % 90}" for j in range(2 + i % 4)),
+                                               "answers": [" ".join(f"w{(5 * i + j) % 90}" for j in range(1 + i % 3))]})
+                                   for i in range(12)))
+    monkeypatch.setattr(sensitivity, "RANKING_FACTS", facts_file)
     flags = ("--init", "calib", "--calib-seq-len", "64")
     auto = convert(src, tmp_path / "auto", "--layers", "auto:1/3", "--calib-data", text, *flags)
     chosen = auto.config.stem_layers
-    assert len(chosen) == 1 and set(costs) == {0, 1, 2} and chosen[0] == min(costs, key=costs.get)
+    costs, fact_costs = measured
+    assert len(chosen) == 1 and set(costs) == set(fact_costs) == {0, 1, 2}
+    assert chosen[0] == min(costs, key=lambda k: costs[k] * fact_costs[k])  # the product of the two ratios
     assert auto.config.stem_layer_costs == {str(k): round(v, 4) for k, v in costs.items()}  # kept for the user
+    assert auto.config.stem_layer_fact_costs == {str(k): round(v, 4) for k, v in fact_costs.items()}
+    facts = sensitivity.fact_completions(AutoTokenizer.from_pretrained(src), facts_file)
+
+    def completion_ppl(model):  # each fact alone, unpadded: its completion's tokens only
+        nll = []
+        with torch.no_grad():
+            for ids, scored in zip(facts.ids, facts.scored):
+                length = int(scored.nonzero().max()) + 2
+                logits = model(ids[None, :length]).logits[0, :-1]
+                nll.append(F.cross_entropy(logits, ids[1:length], reduction="none")[scored[: length - 1]])
+        return math.exp(torch.cat(nll).mean().item())
+
+    # the converted model, each prompt's first token dense, scores its own facts as the ranking did
+    assert math.isclose(fact_costs[chosen[0]], completion_ppl(auto) / completion_ppl(dense), rel_tol=1e-5)
+    assert len(facts.ids) == 12 and (facts.ids != 95).all()  # no unknown word
     windows = calibrate_module.calibration_windows(
         stem_upcycle.source.open_source(str(src)), InitOptions(calib_data=[str(text)], calib_seq_len=64,
                                                                calib_tokens=131072))
@@ -179,6 +202,15 @@ def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_t
     alone = convert(src, tmp_path / "alone", "--layers", str(chosen[0]), "--calib-data", rest, *flags)
     layer = auto.model.layers[chosen[0]].mlp.up_table.weight
     torch.testing.assert_close(layer, alone.model.layers[chosen[0]].mlp.up_table.weight, rtol=1e-6, atol=1e-6)
+
+
+def test_layer_choice_scores_facts_apart_from_those_eval_scores():
+    """A layer chosen on the ranking facts is checked on `eval --facts`' set: no prompt is in both."""
+    from stem_upcycle.facts import load_facts
+    from stem_upcycle.table_init.layer_choice import RANKING_FACTS
+
+    ranking, scored = load_facts(RANKING_FACTS), load_facts()
+    assert len(ranking) == 45 and not {f.prompt for f in ranking} & {f.prompt for f in scored}
 
 
 def test_a_dry_run_with_auto_layers_computes_nothing(dense_with_tokenizer, tmp_path, monkeypatch):
