@@ -6,12 +6,13 @@
 
 Each point converts COUNT of the source's layers, chosen by `--layers auto:COUNT/N` (every layer
 calibrated, each scored alone on calibration windows left out of it and on the completions of the
-ranking facts; the calibration text is the recipe's mix of the user's text and text the parent generated) or evenly spaced from layer 0
-(`COUNT/N`), and recovers it with the recipe unchanged otherwise (`stem-upcycle train RECIPE
---set model.layers=...`, its own process). The ranking is measured once: the first auto point's
-conversion keeps every layer's costs in its config (`stem_layer_costs`, `stem_layer_fact_costs`), and the other auto points
-convert the cheapest COUNT layers of it as an explicit list (the same choice, without calibrating and
-scoring all layers again). Then, each in its own process:
+ranking facts; the calibration text is the recipe's mix of the user's text and text the parent
+generated) or evenly spaced from layer 0 (`COUNT/N`), and recovers it with the recipe unchanged
+otherwise (`stem-upcycle train RECIPE --set model.layers=...`, its own process). The ranking is
+measured once: the first auto point's conversion keeps every layer's costs in its config
+(`stem_layer_costs`, `stem_layer_fact_costs`), and the other auto points convert the cheapest COUNT
+layers of it as an explicit list (the same choice, without calibrating and scoring all layers
+again). Then, each in its own process:
 
 - perplexity ratio to the parent on every held-out set of the recipe (and `--heldout NAME=FILE`
   ones), on the first `--eval-tokens` tokens of each, and factual recall (`stem-upcycle eval --facts`);
