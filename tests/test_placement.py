@@ -213,6 +213,33 @@ def test_mmap_reads_a_run_of_consecutive_rows_at_once_and_shadows_rows_set_later
     assert rows[:, 0].tolist()[3:] == [2.0, memory.stem_table_rows(2, ids)[4, 0].item(), 1.0, 7.0]  # 9: the later
 
 
+def test_mmap_asks_the_kernel_for_every_stem_layers_rows_at_forward_start(stem_dir, monkeypatch):
+    import os
+
+    from stem_upcycle.modeling import stem_tables, table_files
+
+    monkeypatch.setattr(stem_tables, "MIN_ROWS_PER_READ_TASK", 2)
+    monkeypatch.setattr(stem_tables, "LOOKAHEAD_LAYERS", 1)  # the advice runs ahead of the reads
+    mapped = load(stem_dir, "mmap")
+    advised, fadvise = [], os.posix_fadvise
+    monkeypatch.setattr(table_files.os, "posix_fadvise",
+                        lambda fd, offset, length, advice: advised.append((offset, length, advice))
+                        or fadvise(fd, offset, length, advice))
+    ids = torch.tensor([[7, 3, 4, 5, 9, 10, 2, 40, 3]])  # distinct, sorted: runs 2-5, 7, 9-10, 40
+    with torch.no_grad():
+        mapped(ids)
+    expected = set()
+    for layer, table in mapped.stem_placement.stored.items():
+        where = table.parts["weight"]
+        expected |= {(where.offset + first * where.row_bytes, count * where.row_bytes, os.POSIX_FADV_WILLNEED)
+                     for first, count in ((2, 4), (7, 1), (9, 2), (40, 1))}
+    assert len(mapped.stem_placement.stored) > 1 and sorted(advised) == sorted(expected)
+    advised.clear()
+    with torch.no_grad():
+        mapped(ids[:, :1])  # a decode step's rows: read in the forward's thread, no advice
+    assert advised == []
+
+
 def test_a_forward_whose_read_fails_leaves_no_read_in_flight(stem_dir, monkeypatch, ids):
     import time
 

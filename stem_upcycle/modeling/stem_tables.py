@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from .forward_ids import ForwardIds, check_ids
-from .table_files import StemTablesError, StoredTable, checkpoint_files, locate_tables, read_rows, read_whole
+from .table_files import (StemTablesError, StoredTable, advise_rows, checkpoint_files, locate_tables, read_rows,
+                          read_whole)
 from .table_format import TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
@@ -100,11 +101,12 @@ class MmapTables(RowAccess):
     values' bytes with 128-element blocks, 6% of int4's) are read whole when the model loads, so a
     row costs one read, as a float row does, rather than two (a cold row's scales lie on another page).
 
-    A forward's ids are known before its first layer runs: `begin` issues the reads of the first
-    STEM layers' rows at once, on a pool of threads (`READ_THREADS`), and each layer that takes its
-    rows issues those of the layer `LOOKAHEAD_LAYERS` further on. Rows not in the page cache then
-    wait on the disk together, and later layers' rows arrive while earlier layers compute, as the
-    official STEM engine stages a chunk's rows while the previous one computes.
+    A forward's ids are known before its first layer runs: `begin` asks the kernel to read every
+    STEM layer's rows into the page cache, without waiting (`advise_rows`, on the pool), and issues
+    the reads of the first STEM layers' rows at once, on a pool of threads (`READ_THREADS`); each
+    layer that takes its rows issues those of the layer `LOOKAHEAD_LAYERS` further on. Rows not in
+    the page cache then wait on the disk together, and later layers' rows arrive while earlier
+    layers compute, as the official STEM engine stages a chunk's rows while the previous one computes.
 
     The files are never written: rows set on a loaded model (`set_rows`, a knowledge edit) are kept
     in memory and shadow the files' rows in every read.
@@ -165,6 +167,16 @@ class MmapTables(RowAccess):
                     rows[hit] = overlay[name][where[hit]]
         return parts
 
+    def advise(self, ids: torch.Tensor, prefetch: "RowPrefetch") -> None:
+        """Start the disk reads of every STEM layer's rows of `ids` [n], in the order the forward runs the
+        layers, until the forward is over."""
+        for layer in sorted(self.stored):
+            for name, where in self.stored[layer].parts.items():
+                if prefetch.done:
+                    return
+                if name not in self.resident[layer]:
+                    advise_rows(self._fds[where.path], where, ids)
+
     def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
         """[stop - start, d_ff] rows start..stop-1, decoded, in one positioned read per part (nothing is mapped)."""
         table = self.stored[layer]
@@ -222,6 +234,8 @@ class RowPrefetch:
         self.tables, self.ids = tables, ids  # sorted distinct lookup ids [n]
         self.layers = iter(sorted(tables.stored))  # in the order the forward runs them
         self.started = {}  # layer -> (parts being read, reads in flight)
+        self.done = False  # the forward is over: the advice stops
+        self.advice = tables.pool().submit(tables.advise, ids, self) if ids.numel() >= MIN_ROWS_PER_READ_TASK else None
         for _ in range(LOOKAHEAD_LAYERS):
             self._start_next()
 
@@ -245,6 +259,8 @@ class RowPrefetch:
     def cancel(self, taken: list = ()) -> None:
         """Drop the reads not started; wait for those running, which write into this forward's buffers."""
         reads = [*taken, *(read for _, pending in self.started.values() for read in pending)]
+        reads += [self.advice] if self.advice is not None else []
+        self.done = True
         self.started.clear()
         self.layers = iter(())
         for read in reads:

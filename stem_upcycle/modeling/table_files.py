@@ -160,23 +160,39 @@ def read_whole(table: TableFile) -> torch.Tensor:
     return tensor
 
 
-def read_rows(fd: int, table: TableFile, ids: torch.Tensor, out: torch.Tensor) -> None:
-    """Rows `ids` [n] of `table` into `out` [n, width], by positioned reads of the open file `fd`: one
-    read per run of consecutive ids (ids[i + 1] == ids[i] + 1), whose rows lie side by side in both,
-    repeated where the kernel returns less (a read stops at 2 GB on Linux).
-    os.preadv releases the GIL, so reads issued from several threads wait on the disk together."""
+def runs_of(ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first id, begin, stop) of each run of consecutive ids (ids[i + 1] == ids[i] + 1) in `ids` [n]:
+    ids[begin:stop], whose rows lie side by side in a table."""
     n = ids.numel()
     if not n:
+        return []
+    starts = torch.cat([ids.new_zeros(1), (ids[1:] != ids[:-1] + 1).nonzero().flatten() + 1])  # ids' device: the CPU
+    bounds = torch.cat([starts, starts.new_tensor([n])]).tolist()
+    return list(zip(ids[starts].tolist(), bounds, bounds[1:]))
+
+
+def read_rows(fd: int, table: TableFile, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """Rows `ids` [n] of `table` into `out` [n, width], by positioned reads of the open file `fd`: one
+    read per run of consecutive ids, repeated where the kernel returns less (a read stops at 2 GB on Linux).
+    os.preadv releases the GIL, so reads issued from several threads wait on the disk together."""
+    if not ids.numel():
         return
     buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
     size = table.row_bytes
-    starts = torch.cat([ids.new_zeros(1), (ids[1:] != ids[:-1] + 1).nonzero().flatten() + 1])  # ids' device: the CPU
-    bounds = torch.cat([starts, starts.new_tensor([n])]).tolist()
-    first_ids = ids[starts].tolist()
-    for (begin, stop), token in zip(zip(bounds, bounds[1:]), first_ids):
+    for token, begin, stop in runs_of(ids):
         view, offset, done = buffer[begin * size : stop * size], table.offset + token * size, 0
         while done < len(view):
             got = os.preadv(fd, [view[done:]], offset + done)
             if not got:
                 raise StemTablesError(f"{table.path} ended while reading table rows; download or export it again")
             done += got
+
+
+def advise_rows(fd: int, table: TableFile, ids: torch.Tensor) -> None:
+    """Ask the kernel to start reading rows `ids` [n] of `table` into the page cache, and return without
+    waiting (posix_fadvise(WILLNEED), one call per run of consecutive ids). The reads of rows not yet
+    cached then wait on the disk all together, not a few at a time as blocking reads on a few threads
+    do: on 2 cores, 15,000 cold SmolLM2 rows were read in 0.4 s instead of 1.0 s (cold_rows.py)."""
+    size = table.row_bytes
+    for token, begin, stop in runs_of(ids):
+        os.posix_fadvise(fd, table.offset + token * size, (stop - begin) * size, os.POSIX_FADV_WILLNEED)
