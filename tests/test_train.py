@@ -277,8 +277,12 @@ def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tabl
     assert memory["shared_pss"] <= memory["shared_files"] + rounding  # ... which count once: one copy
     for step in (2, 3):
         a, b = (safe_open(run / "checkpoints" / f"step-{step}" / "tables.safetensors", "pt") for run in (single, workspace / "two"))
-        for name in a.keys():  # every row updated once, by its owner: the same tables and Adam state as one process
-            torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
+        # Every row updated once, by its owner: the same tables and Adam state as one process, up to the order in
+        # which the halves' gradients are summed (on an AVX-512 CPU, one value in 4608 moved by 2e-5 after 2 steps
+        # of a table step size of 0.05).
+        for name in a.keys():
+            torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, name=name: f"{name}: {m}")
     assert list((workspace / "shared").iterdir()) == []  # the machine's copy went with the export, the folder stays
     # Resumed by both processes from the step-3 checkpoint (accelerate's state, tables into the shared copy):
     # step 4 again, with the same loss.
