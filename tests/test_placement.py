@@ -44,6 +44,30 @@ def test_placements_give_the_logits_of_memory(stem_dir, placement, host_on_cpu, 
     torch.testing.assert_close(torch.stack(b.scores), torch.stack(a.scores), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mmap_leaves_the_first_tokens_up_projection_in_the_files(stem_dir, ids, dtype):
+    """The dense first token's up-projection is read from the checkpoint's mapped files at the moment it
+    is used, with the result of the parameter in memory, and its pages are let go after: no memory for it."""
+    import ctypes
+
+    from stem_upcycle.modeling.stem_tables import MappedLinear
+
+    memory, mapped = load(stem_dir, "memory", dtype=dtype), load(stem_dir, "mmap", dtype=dtype)
+    names = {n for n, _ in mapped.named_parameters()}
+    assert "model.layers.1.mlp.up_proj.weight" in names  # a dense layer's own
+    assert not any(f"layers.{i}.mlp.up_proj" in n for n in names for i in (0, 2))
+    assert all(isinstance(mapped.model.layers[i].mlp.up_proj, MappedLinear) for i in (0, 2))
+    with torch.no_grad():
+        torch.testing.assert_close(mapped(ids).logits, memory(ids).logits, rtol=1e-6, atol=1e-6)
+    mappings = mapped.stem_placement.mappings
+    assert mappings  # the first tokens' forward read the projection through its mapping
+    starts = {f"{ctypes.addressof(ctypes.c_char.from_buffer(m)):x}-" for m in mappings.values()}
+    smaps = open("/proc/self/smaps").read().split("\n")  # Transformers maps the same files too, elsewhere
+    resident = [int(line.split()[1]) for i, head in enumerate(smaps) if head.split("-")[0] + "-" in starts
+                for line in smaps[i + 1 : i + 8] if line.startswith("Rss:")]
+    assert len(resident) == len(mappings) and sum(resident) == 0  # every page of these mappings let go (kB)
+
+
 def test_host_cache_hits_misses_evictions_and_staging(stem_dir, host_on_cpu):
     memory, host = load(stem_dir, "memory"), load(stem_dir, "host", stem_cache_rows=6)
     cache = host.stem_placement

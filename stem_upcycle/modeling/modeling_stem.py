@@ -29,7 +29,7 @@ import transformers
 
 from .configuration_stem import StemConfig
 from .forward_ids import IdHandoff, RowEdit, cached_length, check_ids, first_tokens
-from .stem_tables import PlacedTable, open_tables
+from .stem_tables import MappedLinear, PlacedTable, open_tables
 from .table_files import StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
@@ -236,6 +236,8 @@ class _StemDispatch:
             else:
                 table = PlacedTable(placement, index)
             base.layers[index].mlp = StemMLP.from_config(self.config, table, base.stem_token_ids, index)
+            if index in getattr(placement, "first_token_up", {}):  # mmap: left in the files with the tables
+                base.layers[index].mlp.up_proj = MappedLinear(*placement.first_token_up[index], placement.mappings)
         if placement is not None:
             placement.mlps = {i: base.layers[i].mlp for i in self.config.stem_layers}
         if base is not self:  # a StemModel starts its forwards in its own `forward`
@@ -245,6 +247,10 @@ class _StemDispatch:
         if placement is not None:  # the tables in the checkpoint are not this model's parameters
             ignored = self._keys_to_ignore_on_load_unexpected  # a set in recent Transformers, a list or None before
             table = r"mlp\.up_table\.(weight|qweight|scales)"
+            if getattr(placement, "first_token_up", None):  # and nor are the up-projections left in the files;
+                # vLLM skips the keys these patterns match (Transformers only keeps quiet about them), so no
+                # dense layer's up_proj may match
+                table += rf"|layers\.({'|'.join(map(str, placement.first_token_up))})\.mlp\.up_proj\.(weight|bias)"
             self._keys_to_ignore_on_load_unexpected = (ignored | {table} if isinstance(ignored, set)
                                                         else [*(ignored or []), table])
 

@@ -15,6 +15,7 @@ Exported next to the weights, so it imports only torch, transformers and the sta
 """
 
 import math
+import mmap
 import os
 import threading
 import weakref
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 
 from .forward_ids import ForwardIds, check_ids
-from .table_files import (StemTablesError, StoredTable, advise_rows, checkpoint_files, locate_tables, read_rows,
-                          read_whole)
+from .table_files import (StemTablesError, StoredTable, TableFile, advise_rows, checkpoint_files, locate_tables,
+                          locate_tensor, read_rows, read_whole)
 from .table_format import TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
@@ -53,6 +54,53 @@ class PlacedTable(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, stem_tables={self.placement.name!r}"
+
+
+FOLIO_BYTES = 2 << 20  # the largest page-cache folio a fault maps at once (a PMD on x86-64 and arm64's 4K pages)
+
+
+class MappedLinear(nn.Module):
+    """A STEM MLP's dense first-token up-projection (`config.stem_dense_first_token`) under `mmap`: its
+    weight and bias stay in the checkpoint's files, as the tables do. In memory it would cost what the
+    STEM layer saves by dropping the dense up-projection (SmolLM2-135M with all 30 layers converted:
+    0.106 GB of fp32 weights), so the model would need as much memory as its parent. It runs at the
+    prefill alone, for one token per sequence: each call maps the weight, multiplies, and lets its
+    pages go (madvise(DONTNEED); the page cache keeps them), so RSS grows by one layer's weight for the
+    moment of the call. Like a placed table it has no parameter: it neither trains nor casts."""
+
+    def __init__(self, weight: TableFile, bias: TableFile | None, mappings: dict):
+        super().__init__()
+        self.stored, self.stored_bias, self.mappings = weight, bias, mappings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, d_ff]
+        stored = [self.stored] + ([self.stored_bias] if self.stored_bias is not None else [])
+        try:
+            return nn.functional.linear(x, *(self._mapped(t).to(x.device, x.dtype) for t in stored))
+        finally:
+            for t in stored:
+                if t.path in self.mappings:  # with the pages mapped around the tensor's (a fault maps a whole folio)
+                    mapping = self.mappings[t.path]
+                    start = t.offset // FOLIO_BYTES * FOLIO_BYTES
+                    mapping.madvise(mmap.MADV_DONTNEED, start, min(len(mapping), t.offset + t.nbytes + FOLIO_BYTES) - start)
+
+    def to_linear(self, dtype: torch.dtype) -> nn.Linear:
+        """The projection as a module of parameters, read into memory (to train or save it)."""
+        linear = nn.Linear(self.stored.shape[1], self.stored.shape[0], bias=self.stored_bias is not None, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(read_whole(self.stored))
+            if self.stored_bias is not None:
+                linear.bias.copy_(read_whole(self.stored_bias))
+        return linear
+
+    def _mapped(self, stored: TableFile) -> torch.Tensor:
+        if stored.path not in self.mappings:  # private (copy-on-write, never written): a buffer torch can take
+            with open(stored.path, "rb") as f:
+                self.mappings[stored.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return torch.frombuffer(self.mappings[stored.path], dtype=stored.dtype, count=math.prod(stored.shape),
+                                offset=stored.offset).view(stored.shape)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.stored.shape[1]}, out_features={self.stored.shape[0]}, stem_tables='mmap'"
 
 
 class RowAccess:
@@ -126,6 +174,8 @@ class MmapTables(RowAccess):
         self.overlay = {}  # layer -> {"ids": sorted ids [m], part: [m, ...] their stored rows set on the loaded model}
         self.resident = {layer: {name: read_whole(where) for name, where in table.parts.items() if name == "scales"}
                          for layer, table in stored.items()}  # layer -> {part: the whole tensor in memory}
+        self.first_token_up = {}  # layer -> (weight, bias or None) of its dense first-token up-projection, in the files
+        self.mappings = {}  # file -> its private mapping, where `MappedLinear`s read the first-token up-projections
         self._pool, self._pool_pid = None, None  # made by the first forward of each process (`pool`)
         self._local = threading.local()  # this thread's forward in flight (`RowPrefetch`)
 
@@ -530,7 +580,14 @@ def open_tables(path, config, hub_kwargs: dict):
                               f"download or export it again")
     tables = locate_tables(files, table_names(files, config.stem_layers), (config.vocab_size, config.intermediate_size),
                            table_format)
-    return open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
+    placement = open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
+    if isinstance(placement, MmapTables) and config.stem_dense_first_token:
+        shape = (config.intermediate_size, config.hidden_size)
+        placement.first_token_up = {
+            layer: (locate_tensor(files, f"layers.{layer}.mlp.up_proj.weight", shape),
+                    locate_tensor(files, f"layers.{layer}.mlp.up_proj.bias", shape[:1]) if config.stem_mlp_bias else None)
+            for layer in config.stem_layers}
+    return placement
 
 
 def table_names(files: dict[str, str], layers) -> dict[int, str]:

@@ -5,6 +5,7 @@ Exported next to the weights, so it imports only torch, transformers and the sta
 """
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -32,12 +33,12 @@ class TableFile:
 
     path: str
     offset: int  # from the start of the file
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
     def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def row_bytes(self) -> int:
@@ -124,6 +125,23 @@ def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape
             found = TableFormat(next(k for k, v in FLOAT_DTYPES.items() if v == parts["weight"].dtype))
         located[layer] = StoredTable(found, parts, (vocab, d_ff))
     return located
+
+
+def locate_tensor(checkpoint_files: dict[str, str], suffix: str, shape: tuple[int, ...]) -> TableFile:
+    """Where the float tensor whose name ends in `suffix` (whatever the base model's prefix) lies,
+    checked against `shape`."""
+    name = next((n for n in checkpoint_files if n.endswith(suffix)), None)
+    path = checkpoint_files.get(name)
+    if path is None or not os.path.isfile(path):
+        raise StemTablesError(f"the checkpoint has no tensor *{suffix}, or its file is missing; export it again")
+    header, data_start = read_header(path)
+    entry = header.get(name, {})
+    begin, end = entry.get("data_offsets", (0, 0))
+    tensor = TableFile(path, data_start + begin, tuple(entry.get("shape", ())), SAFETENSORS_DTYPES.get(entry.get("dtype")))
+    if tensor.dtype not in FLOAT_DTYPES.values() or tensor.shape != shape or end - begin != tensor.nbytes:
+        raise StemTablesError(f"{name} in {path} is no float tensor of shape {list(shape)}, as the config says; "
+                              f"export the checkpoint again")
+    return tensor
 
 
 def checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> dict[str, str] | None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..families import family_for
 from ..table_init.closed_form import mlp_projections
 from ..modeling.modeling_stem import StemMLP
+from ..modeling.stem_tables import MappedLinear
 from .recipe import RecipeError
 from .tables import OffloadedTable, SharedTables
 
@@ -74,6 +75,8 @@ def attach_tables(model, device: torch.device, shared: SharedTables | None = Non
             weight = shared.tensor(f"table.{index}", shape, torch.float32,
                                    fill=lambda start, stop, read=read: read(start, stop).float())
             tables[index] = OffloadedTable(weight, device, owner=(shared.local_rank, shared.local_world))
+        if isinstance(mlp.up_proj, MappedLinear):  # left in the files by mmap: trained and exported, so in memory
+            mlp.up_proj = mlp.up_proj.to_linear(mlp.gate_proj.weight.dtype).to(mlp.gate_proj.weight.device)
         base.layers[index].mlp = TrainingStemMLP(mlp, tables[index])
     if placed is not None:
         base.stem_tables_placement = None  # lookups go to the training tables now, not to the checkpoint
