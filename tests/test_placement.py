@@ -382,3 +382,22 @@ def test_missing_or_truncated_table_files_are_one_line_errors(stem_dir):
     with pytest.raises(StemTablesError) as err:
         load(stem_dir, "mmap")
     assert "is missing" in one_line(err)
+
+
+def test_a_first_token_projection_missing_from_the_files_is_a_one_line_error(stem_dir):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((stem_dir / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.mlp.up_proj.weight"
+    shard = stem_dir / index["weight_map"][name]
+    tensors = load_file(shard)
+    save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, shard, metadata={"format": "pt"})
+    with pytest.raises(StemTablesError) as err:
+        load(stem_dir, "mmap")
+    assert name in one_line(err) and "F32 tensor of shape [48, 31]" in one_line(err) and "[48, 32]" in one_line(err)
+    save_file({k: v for k, v in tensors.items() if k != name}, shard, metadata={"format": "pt"})
+    with pytest.raises(StemTablesError) as err:
+        load(stem_dir, "mmap")
+    assert f"does not hold {name}" in one_line(err)

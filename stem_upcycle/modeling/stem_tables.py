@@ -584,8 +584,8 @@ def open_tables(path, config, hub_kwargs: dict):
     if isinstance(placement, MmapTables) and config.stem_dense_first_token:
         shape = (config.intermediate_size, config.hidden_size)
         placement.first_token_up = {
-            layer: (locate_tensor(files, f"layers.{layer}.mlp.up_proj.weight", shape),
-                    locate_tensor(files, f"layers.{layer}.mlp.up_proj.bias", shape[:1]) if config.stem_mlp_bias else None)
+            layer: (locate_tensor(files, f".layers.{layer}.mlp.up_proj.weight", shape),
+                    locate_tensor(files, f".layers.{layer}.mlp.up_proj.bias", shape[:1]) if config.stem_mlp_bias else None)
             for layer in config.stem_layers}
     return placement
 

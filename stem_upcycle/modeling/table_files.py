@@ -135,12 +135,15 @@ def locate_tensor(checkpoint_files: dict[str, str], suffix: str, shape: tuple[in
     if path is None or not os.path.isfile(path):
         raise StemTablesError(f"the checkpoint has no tensor *{suffix}, or its file is missing; export it again")
     header, data_start = read_header(path)
-    entry = header.get(name, {})
-    begin, end = entry.get("data_offsets", (0, 0))
-    tensor = TableFile(path, data_start + begin, tuple(entry.get("shape", ())), SAFETENSORS_DTYPES.get(entry.get("dtype")))
-    if tensor.dtype not in FLOAT_DTYPES.values() or tensor.shape != shape or end - begin != tensor.nbytes:
-        raise StemTablesError(f"{name} in {path} is no float tensor of shape {list(shape)}, as the config says; "
+    entry = header.get(name)
+    if entry is None:
+        raise StemTablesError(f"{path} does not hold {name}, which the checkpoint's index places there; "
                               f"export the checkpoint again")
+    begin, end = entry["data_offsets"]
+    tensor = TableFile(path, data_start + begin, tuple(entry["shape"]), SAFETENSORS_DTYPES.get(entry["dtype"]))
+    if tensor.dtype not in FLOAT_DTYPES.values() or tensor.shape != shape or end - begin != tensor.nbytes:
+        raise StemTablesError(f"{name} in {path} is a {entry['dtype']} tensor of shape {list(tensor.shape)}, the "
+                              f"config says a float tensor of shape {list(shape)}; export the checkpoint again")
     return tensor
 
 
