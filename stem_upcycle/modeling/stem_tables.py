@@ -93,10 +93,11 @@ class MappedLinear(nn.Module):
         return linear
 
     def _mapped(self, stored: TableFile) -> torch.Tensor:
-        if stored.path not in self.mappings:  # private (copy-on-write, never written): a buffer torch can take
-            with open(stored.path, "rb") as f:
-                self.mappings[stored.path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return torch.frombuffer(self.mappings[stored.path], dtype=stored.dtype, count=math.prod(stored.shape),
+        mapping = self.mappings.get(stored.path)
+        if mapping is None:  # private (copy-on-write, never written): a buffer torch can take
+            with open(stored.path, "rb") as f:  # setdefault: of two threads mapping the file at once, one mapping stays
+                mapping = self.mappings.setdefault(stored.path, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+        return torch.frombuffer(mapping, dtype=stored.dtype, count=math.prod(stored.shape),
                                 offset=stored.offset).view(stored.shape)
 
     def extra_repr(self) -> str:
