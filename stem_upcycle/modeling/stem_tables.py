@@ -579,14 +579,16 @@ def open_tables(path, config, hub_kwargs: dict):
                               f"load it with stem_tables='memory'" if table_format is None else
                               f"{path} has no safetensors files, where its {table_format.dtype} tables should be; "
                               f"download or export it again")
+    headers = {}  # each file's header read once, for the tables and the first-token projections
     tables = locate_tables(files, table_names(files, config.stem_layers), (config.vocab_size, config.intermediate_size),
-                           table_format)
+                           table_format, headers)
     placement = open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
     if isinstance(placement, MmapTables) and config.stem_dense_first_token:
         shape = (config.intermediate_size, config.hidden_size)
         placement.first_token_up = {
-            layer: (locate_tensor(files, f".layers.{layer}.mlp.up_proj.weight", shape),
-                    locate_tensor(files, f".layers.{layer}.mlp.up_proj.bias", shape[:1]) if config.stem_mlp_bias else None)
+            layer: (locate_tensor(files, f".layers.{layer}.mlp.up_proj.weight", shape, headers),
+                    locate_tensor(files, f".layers.{layer}.mlp.up_proj.bias", shape[:1], headers)
+                    if config.stem_mlp_bias else None)
             for layer in config.stem_layers}
     return placement
 

@@ -88,11 +88,12 @@ def read_header(path: str) -> tuple[dict, int]:
 
 
 def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape: tuple[int, int],
-                  table_format: TableFormat | None = None) -> dict[int, StoredTable]:
+                  table_format: TableFormat | None = None, headers: dict | None = None) -> dict[int, StoredTable]:
     """Per STEM layer, its table's parts (files and byte ranges), checked against `shape`, the format
     (`table_format`; None: float rows, as the files say) and the files' sizes (`read_header`: a mapped
-    read past the end of a file is a SIGBUS, never an error message)."""
-    headers = {}
+    read past the end of a file is a SIGBUS, never an error message). `headers`: file -> `read_header`
+    of it, filled as files are read (one dict for several calls reads each file's header once)."""
+    headers = {} if headers is None else headers
     located = {}
     vocab, d_ff = shape
     for layer, prefix in names.items():
@@ -127,14 +128,16 @@ def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape
     return located
 
 
-def locate_tensor(checkpoint_files: dict[str, str], suffix: str, shape: tuple[int, ...]) -> TableFile:
+def locate_tensor(checkpoint_files: dict[str, str], suffix: str, shape: tuple[int, ...], headers: dict) -> TableFile:
     """Where the float tensor whose name ends in `suffix` (whatever the base model's prefix) lies,
-    checked against `shape`."""
+    checked against `shape`; `headers` as `locate_tables` takes it."""
     name = next((n for n in checkpoint_files if n.endswith(suffix)), None)
     path = checkpoint_files.get(name)
     if path is None or not os.path.isfile(path):
         raise StemTablesError(f"the checkpoint has no tensor *{suffix}, or its file is missing; export it again")
-    header, data_start = read_header(path)
+    if path not in headers:
+        headers[path] = read_header(path)
+    header, data_start = headers[path]
     entry = header.get(name)
     if entry is None:
         raise StemTablesError(f"{path} does not hold {name}, which the checkpoint's index places there; "
