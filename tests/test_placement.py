@@ -252,12 +252,14 @@ def test_mmap_asks_the_kernel_for_every_stem_layers_rows_at_forward_start(stem_d
     ids = torch.tensor([[7, 3, 4, 5, 9, 10, 2, 40, 3]])  # distinct, sorted: runs 2-5, 7, 9-10, 40
     with torch.no_grad():
         mapped(ids)
-    expected = set()
-    for layer, table in mapped.stem_placement.stored.items():
+    expected, placement = set(), mapped.stem_placement
+    for layer, table in placement.stored.items():
         where = table.parts["weight"]
         expected |= {(where.offset + first * where.row_bytes, count * where.row_bytes, os.POSIX_FADV_WILLNEED)
                      for first, count in ((2, 4), (7, 1), (9, 2), (40, 1))}
-    assert len(mapped.stem_placement.stored) > 1 and sorted(advised) == sorted(expected)
+        up = placement.first_token_up[layer][0]  # the first token's up-projection, left in the files: all of it
+        expected.add((up.offset, up.nbytes, os.POSIX_FADV_WILLNEED))
+    assert len(placement.stored) > 1 and sorted(advised) == sorted(expected)
     advised.clear()
     with torch.no_grad():
         mapped(ids[:, :1])  # a decode step's rows: read in the forward's thread, no advice

@@ -165,20 +165,30 @@ class MmapTables(RowAccess):
 
     def __init__(self, stored: dict[int, StoredTable]):
         self.stored = stored
-        self._fds = {}
+        self._fds = {}  # file -> this placement's descriptor of it
         for table in stored.values():
             for part in table.parts.values():
-                if part.path not in self._fds:
-                    self._fds[part.path] = fd = os.open(part.path, os.O_RDONLY)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
-                    weakref.finalize(self, os.close, fd)
+                self._open(part.path)
         self.overlay = {}  # layer -> {"ids": sorted ids [m], part: [m, ...] their stored rows set on the loaded model}
         self.resident = {layer: {name: read_whole(where) for name, where in table.parts.items() if name == "scales"}
                          for layer, table in stored.items()}  # layer -> {part: the whole tensor in memory}
-        self.first_token_up = {}  # layer -> (weight, bias or None) of its dense first-token up-projection, in the files
+        self.first_token_up = {}  # layer -> (weight, bias or None): `leave_first_token_up`
         self.mappings = {}  # file -> its private mapping, where `MappedLinear`s read the first-token up-projections
         self._pool, self._pool_pid = None, None  # made by the first forward of each process (`pool`)
         self._local = threading.local()  # this thread's forward in flight (`RowPrefetch`)
+
+    def _open(self, path: str) -> None:
+        if path not in self._fds:
+            self._fds[path] = fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
+            weakref.finalize(self, os.close, fd)
+
+    def leave_first_token_up(self, projections: dict[int, tuple[TableFile, TableFile | None]]) -> None:
+        """Per STEM layer, (weight, bias or None) of its dense first-token up-projection, which stays in
+        the files (`MappedLinear`). Every prefill reads them, so a forward's advice asks for them too."""
+        self.first_token_up = projections
+        for weight, _ in projections.values():
+            self._open(weight.path)
 
     def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per part, [n, ...] the stored rows of the ids `ids` [n], read from the files."""
@@ -219,14 +229,18 @@ class MmapTables(RowAccess):
         return parts
 
     def advise(self, ids: torch.Tensor, prefetch: "RowPrefetch") -> None:
-        """Start the disk reads of every STEM layer's rows of `ids` [n], in the order the forward runs the
-        layers, until the forward is over."""
+        """Start the disk reads of every STEM layer's rows of `ids` [n] and of its first-token up-projection
+        (left in the files: a page cache that lost it would read it at the layer, 3.5 MB for SmolLM2, while
+        the forward waits), in the order the forward runs the layers, until the forward is over."""
         for layer in sorted(self.stored):
-            for name, where in self.stored[layer].parts.items():
+            reads = [(where, ids) for name, where in self.stored[layer].parts.items() if name not in self.resident[layer]]
+            if layer in self.first_token_up:  # the whole weight, in one run; its bias, a few kB, is read when used
+                weight = self.first_token_up[layer][0]
+                reads.insert(0, (weight, torch.arange(weight.shape[0])))
+            for where, rows in reads:
                 if prefetch.done:
                     return
-                if name not in self.resident[layer]:
-                    advise_rows(self._fds[where.path], where, ids)
+                advise_rows(self._fds[where.path], where, rows)
 
     def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
         """[stop - start, d_ff] rows start..stop-1, decoded, in one positioned read per part (nothing is mapped)."""
@@ -585,11 +599,11 @@ def open_tables(path, config, hub_kwargs: dict):
     placement = open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
     if isinstance(placement, MmapTables) and config.stem_dense_first_token:
         shape = (config.intermediate_size, config.hidden_size)
-        placement.first_token_up = {
+        placement.leave_first_token_up({
             layer: (locate_tensor(files, f".layers.{layer}.mlp.up_proj.weight", shape, headers),
                     locate_tensor(files, f".layers.{layer}.mlp.up_proj.bias", shape[:1], headers)
                     if config.stem_mlp_bias else None)
-            for layer in config.stem_layers}
+            for layer in config.stem_layers})
     return placement
 
 
