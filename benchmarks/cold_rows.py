@@ -4,6 +4,7 @@
     python benchmarks/cold_rows.py                                   # SmolLM2-135M, a third and all layers
     python benchmarks/cold_rows.py --models llama1b --llama-layers 5 # the Llama-3.2-1B shape, random weights
     STEM_READ_THREADS=0 python benchmarks/cold_rows.py               # every row read in the forward's thread
+    python benchmarks/cold_rows.py --layer-groups 5                  # also each model's tables in groups of 5
 
 A server sees new prompts all the time, and the rows of a new prompt's ids are seldom in the page
 cache. Each setting (model, dtype) runs `--repeats` processes that load the dense parent and the
@@ -19,7 +20,9 @@ a process (load, a cold prompt, a decode), its high-water mark.
 Tables are placed with `mmap` (the default), whose reads `STEM_READ_THREADS` and
 `STEM_READ_AHEAD_LAYERS` tune. tok/s are medians over prompts and processes; ratios are medians of
 the per-prompt ratios. Models are made once under --work by benchmarks/inference.py's `prepare`
-(closed-form tables: row values do not change speed).
+(closed-form tables: row values do not change speed); with `--layer-groups G`, each STEM model is
+measured again with its tables stored in groups of G layers (`stem-upcycle compress --layer-groups G`,
+a token's rows of a group side by side: one read per group, not per layer).
 """
 
 import argparse
@@ -146,6 +149,24 @@ def report(model: str, results: dict) -> str:
     return "\n".join(lines)
 
 
+def grouped(paths: dict[str, Path], group: int) -> dict[str, Path]:
+    """{variant with groups: directory}: each STEM model of `paths` with its tables in groups of `group`
+    layers, made once beside it."""
+    from stem_upcycle.compress import plan_compression, run_compression
+    from stem_upcycle.source import open_source
+
+    made = {}
+    for variant, path in paths.items():
+        if variant == "dense":
+            continue
+        out = path.with_name(f"{path.name}-groups-of-{group}")
+        if not (out / "config.json").exists():
+            print(f"storing {path}'s tables in groups of {group} layers into {out}", file=sys.stderr, flush=True)
+            run_compression(plan_compression(open_source(str(path)), None, layer_groups=group), out, overwrite=True)
+        made[f"{variant}, groups of {group}"] = out
+    return made
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2", help="smollm2, llama1b, or both, comma-separated")
@@ -156,6 +177,8 @@ def main():
                         "comma-separated")
     parser.add_argument("--prompts", type=int, default=3, help="new prompts of each kind per process")
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per setting")
+    parser.add_argument("--layer-groups", type=int, help="also measure each STEM model with its tables in groups of "
+                        "this many layers")
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.setting:
@@ -170,6 +193,8 @@ def main():
             f"stem-{n}": f"{n}/16" for n in args.llama_layers.split(",")}
         chosen = [v for v in args.variants.split(",") if v in layers] if model == "smollm2" else list(layers)
         paths = prepare(work, model, variants={v: layers[v] for v in chosen})
+        if args.layer_groups:
+            paths.update(grouped(paths, args.layer_groups))
         results = {}
         for dtype in args.dtypes.split(","):
             for variant, path in paths.items():

@@ -185,16 +185,22 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
 @table_dtype_option(DEFAULT_COMPRESSED, "The default is the smallest format within its quality target on every "
                     "held-out set (benchmarks/table_formats.py); float32, bfloat16 or float16 decompress.")
 @TABLE_BLOCK
+@click.option("--layer-groups", type=COUNT, default=None, metavar="G",
+              help="Store float tables in groups of G consecutive STEM layers, a token's rows of a group side by "
+                   "side, so that a cold forward reads them in one read, not G (read by stem_tables='mmap' alone; "
+                   "1: a tensor per table, which training, edits and the other placements read). Given alone, "
+                   "the tables keep their dtype.")
 @MAX_SHARD_SIZE
 @OVERWRITE
 @click.option("--dry-run", is_flag=True, help="Print the table bytes before and after and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def compress(model, out, table_dtype, table_block, max_shard_size, overwrite, dry_run, quiet):
+def compress(model, out, table_dtype, table_block, layer_groups, max_shard_size, overwrite, dry_run, quiet):
     """Store the tables of the STEM model MODEL in another format, into a new folder OUT.
 
     Typically a recovered model: `stem-upcycle compress runs/my-stem runs/my-stem-int4`.
-    Decompress with a float --table-dtype (training needs float tables).
+    Decompress with a float --table-dtype (training needs float tables). For serving from the
+    files on a CPU: `stem-upcycle compress runs/my-stem runs/my-stem-grouped --layer-groups 5`.
     """
     from pathlib import Path
 
@@ -202,15 +208,19 @@ def compress(model, out, table_dtype, table_block, max_shard_size, overwrite, dr
     from .convert import check_output
     from .source import open_source
 
-    plan = plan_compression(open_source(model), table_dtype, table_block, max_shard_size)
+    if layer_groups is not None and "table_dtype" not in _given_options():
+        table_dtype = None  # a new layout alone: the tables' format stays
+    plan = plan_compression(open_source(model), table_dtype, table_block, max_shard_size, layer_groups)
     click.echo(plan.describe())
     if dry_run:
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)
         click.echo("dry run: nothing written")
         return
-    words = ["stem-upcycle", "compress", model, out, "--table-dtype", table_dtype]
+    words = ["stem-upcycle", "compress", model, out, "--table-dtype", plan.new.dtype]
     if plan.new.compressed:
         words += ["--table-block", str(plan.new.block_size)]
+    if layer_groups is not None:
+        words += ["--layer-groups", str(layer_groups)]
     run_compression(plan, Path(out), overwrite=overwrite, progress=not quiet,
                     command=" ".join(shlex.quote(w) for w in words))
     click.echo(f"wrote {out}")

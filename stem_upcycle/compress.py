@@ -1,5 +1,8 @@
 """Store the tables of an existing STEM model in another format: compress them (int8, float8, int4 with
-per-block scales, `modeling/table_format.py`) or decompress them (float32, bfloat16, float16).
+per-block scales, `modeling/table_format.py`) or decompress them (float32, bfloat16, float16); and lay
+float tables out one tensor per layer, or in groups of layers whose rows of a token lie side by side
+(`config.stem_table_groups`: a cold forward reads a token's rows of a group in one read, not one per
+layer; benchmarks/README.md, row_layout.py).
 
 Out of core, like `convert`: the dense tensors are copied one at a time, each table is read in chunks
 of rows (decoded from its format), encoded and written as it goes; the new model is written beside OUT
@@ -13,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table, check_output, chunk_rows,
-                      parse_shard_size, resolve_table_format, tensor_order_key, write_tensors)
+from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table, TableGroup, check_output,
+                      chunk_rows, parse_shard_size, resolve_table_format, tensor_order_key, write_tensors)
 from .atomic import write_staged
 from .families import STEM_TABLE_PREFIX, layer_name
 from .loading import stem_tables
@@ -28,6 +31,7 @@ class CompressionPlan:
     source: Source
     old: dict  # layer -> the table's current TableFormat
     new: TableFormat
+    groups: list | None  # the new `config.stem_table_groups`; None: a tensor per table
     specs: list[TensorSpec]
     producers: dict  # output name -> Copy | Table
     shards: list
@@ -38,8 +42,8 @@ class CompressionPlan:
 
     def table_bytes(self) -> tuple[int, int]:
         """(bytes of the tables now, bytes of them in the new format)."""
-        now = sum(self.source.tensors.nbytes(n) for n in self.source.tensors.names() if _table_layer(n) is not None)
-        return now, sum(s.nbytes for s in self.specs if isinstance(self.producers[s.name], Table))
+        now = sum(self.source.tensors.nbytes(n) for n in self.source.tensors.names() if _is_table(n))
+        return now, sum(s.nbytes for s in self.specs if isinstance(self.producers[s.name], (Table, TableGroup)))
 
     def describe(self) -> str:
         cfg = self.source.config
@@ -48,6 +52,7 @@ class CompressionPlan:
         return "\n".join([
             f"model      {self.source.spec} ({len(self.old)} STEM tables of [{cfg.vocab_size}, {cfg.intermediate_size}])",
             f"tables     {' / '.join(olds)} -> {self.new.describe()}",
+            f"layout     {_layout(self.source.config.stem_table_groups)} -> {_layout(self.groups)}",
             f"table bytes {_size(before)} -> {_size(after)} ({after / before:.3f}x)",
             f"output     {_size(self.total_bytes)} in {len(self.shards)} shard(s) (the model now: "
             f"{_size(self.source.files_bytes)})",
@@ -58,14 +63,30 @@ def _size(count: int) -> str:
     return f"{count / 1e9:.3f} GB" if count >= 1e9 else f"{count / 1e6:.3f} MB"
 
 
+def _layout(groups: list | None) -> str:
+    if not groups:
+        return "a tensor per table"
+    return f"{len(groups)} groups of up to {max(map(len, groups))} layers side by side"
+
+
 def _table_layer(name: str) -> int | None:
     """The layer of a table tensor (any part), else None."""
     head, found, _ = name.partition("." + STEM_TABLE_PREFIX + ".")
     return int(head.rsplit(".", 1)[1]) if found and head.rsplit(".", 1)[1].isdigit() else None
 
 
-def plan_compression(source: Source, table_dtype: str, block_size: int | None = None,
-                     max_shard_size: str | int = "5GB") -> CompressionPlan:
+def _is_table(name: str) -> bool:
+    """A table's tensor, or a group's of tables (`config.stem_table_groups`)."""
+    return _table_layer(name) is not None or f".{GROUP_PREFIX}." in f".{name}"
+
+
+GROUP_PREFIX = "stem_table_groups"  # a group's tensor: model.stem_table_groups.K.weight
+
+
+def plan_compression(source: Source, table_dtype: str | None, block_size: int | None = None,
+                     max_shard_size: str | int = "5GB", layer_groups: int | None = None) -> CompressionPlan:
+    """The new model's tensors: tables in the format of `table_dtype` (None: as they are now), a tensor per
+    table (`layer_groups` 1) or in groups of `layer_groups` consecutive STEM layers (None: as now)."""
     cfg = source.config
     if getattr(cfg, "model_type", None) != "stem" or not getattr(cfg, "stem_layers", None):
         raise ConversionError(f"{source.spec} is not a STEM model; convert it first (`stem-upcycle convert`), with "
@@ -73,25 +94,58 @@ def plan_compression(source: Source, table_dtype: str, block_size: int | None = 
     if getattr(cfg, "stem_edits", None):
         raise ConversionError(f"{source.spec} carries knowledge edits, whose undo records hold rows in the tables' "
                               f"current format; undo them first (`stem-upcycle edit {source.spec} --undo OUT`)")
-    new = resolve_table_format(table_dtype, block_size, cfg.intermediate_size)
     placed = stem_tables(source)
     old = {layer: table.format for layer, table in placed.stored.items()}
-    if all(f == new for f in old.values()):
-        raise ConversionError(f"the tables of {source.spec} are already {new.describe()}; nothing to do")
-    tensors, vocab = source.tensors, cfg.vocab_size
-    specs, producers, written = [], {}, set()
-    for name in sorted(tensors.names(), key=tensor_order_key):
-        layer = _table_layer(name)
-        if layer is None:
-            specs.append(TensorSpec(name, tuple(tensors.shape(name)), tensors.dtype(name)))
-            producers[name] = Copy(name)
-        elif layer not in written:  # the new table's parts where its first part was
-            written.add(layer)
-            for part, (width, dtype) in new.parts(cfg.intermediate_size).items():
-                out = layer_name(layer, f"{STEM_TABLE_PREFIX}.{part}")
-                specs.append(TensorSpec(out, (vocab, width), dtype))
-                producers[out] = Table(layer, part)
-    return CompressionPlan(source, old, new, specs, producers, plan_shards(specs, parse_shard_size(max_shard_size)))
+    if table_dtype is None and len(set(old.values())) > 1:
+        raise ConversionError(f"the tables of {source.spec} are stored in several formats; give --table-dtype")
+    new = next(iter(old.values())) if table_dtype is None else resolve_table_format(table_dtype, block_size,
+                                                                                      cfg.intermediate_size)
+    groups = _new_groups(source, new, layer_groups)
+    if all(f == new for f in old.values()) and groups == cfg.stem_table_groups:
+        raise ConversionError(f"the tables of {source.spec} are already {new.describe()}, stored as "
+                              f"{_layout(groups)}; nothing to do")
+    tensors, vocab, d_ff = source.tensors, cfg.vocab_size, cfg.intermediate_size
+    placed_at = {}  # output name -> (sort key, spec, producer): every table where its layer's tensors are
+    for name in tensors.names():
+        if not _is_table(name):
+            placed_at[name] = (tensor_order_key(name), TensorSpec(name, tuple(tensors.shape(name)), tensors.dtype(name)),
+                               Copy(name))
+    for k, group in enumerate(groups or []):
+        out = f"{_base_prefix(source)}{GROUP_PREFIX}.{k}.weight"
+        key = tensor_order_key(layer_name(group[0], STEM_TABLE_PREFIX + ".weight"))
+        placed_at[out] = (key, TensorSpec(out, (vocab, d_ff * len(group)), new.parts(d_ff)["weight"][1]),
+                          TableGroup(tuple(group)))
+    for layer in cfg.stem_layers if not groups else []:
+        for part, (width, dtype) in new.parts(d_ff).items():
+            out = layer_name(layer, f"{STEM_TABLE_PREFIX}.{part}")
+            placed_at[out] = (tensor_order_key(out), TensorSpec(out, (vocab, width), dtype), Table(layer, part))
+    ordered = sorted(placed_at.values(), key=lambda entry: entry[0])
+    specs, producers = [spec for _, spec, _ in ordered], {spec.name: producer for _, spec, producer in ordered}
+    return CompressionPlan(source, old, new, groups, specs, producers,
+                           plan_shards(specs, parse_shard_size(max_shard_size)))
+
+
+def _new_groups(source: Source, new: TableFormat, layer_groups: int | None) -> list | None:
+    """The new `config.stem_table_groups`: `layer_groups` consecutive STEM layers each (1: none), or as now."""
+    cfg = source.config
+    if layer_groups is None:
+        if cfg.stem_table_groups and new.compressed:
+            raise ConversionError(f"{source.spec} stores its tables in groups of layers, and {new.dtype} tables are "
+                                  f"stored one per layer: add --layer-groups 1")
+        return cfg.stem_table_groups
+    if layer_groups < 1:
+        raise ConversionError(f"--layer-groups {layer_groups}: give 1 (a tensor per table) or more layers per group")
+    if layer_groups > 1 and new.compressed:
+        raise ConversionError(f"--layer-groups {layer_groups} stores float tables side by side, and {new.dtype} is "
+                              f"compressed: give a float --table-dtype (float32, bfloat16, float16) or --layer-groups 1")
+    layers = list(cfg.stem_layers)
+    return [layers[i : i + layer_groups] for i in range(0, len(layers), layer_groups)] if layer_groups > 1 else None
+
+
+def _base_prefix(source: Source) -> str:
+    """What the checkpoint's names put before `layers.`: `model.` for every family here."""
+    some = next(n for n in source.tensors.names() if ".layers." in f".{n}")
+    return some[: some.index("layers.")]
 
 
 def run_compression(plan: CompressionPlan, out: Path, overwrite: bool = False, progress: bool = True,
@@ -105,9 +159,10 @@ def run_compression(plan: CompressionPlan, out: Path, overwrite: bool = False, p
     placed = stem_tables(plan.source)
     d_ff = plan.source.config.intermediate_size
 
-    def table_rows(layer):
+    def table_rows(layers):  # one layer, or a group's layers, side by side
         def fill(start, stop, chunk):
-            chunk.copy_(placed.read_range(layer, start, stop))
+            for i, layer in enumerate(layers if isinstance(layers, tuple) else (layers,)):
+                chunk[:, i * d_ff : (i + 1) * d_ff].copy_(placed.read_range(layer, start, stop))
         return fill
 
     def write(staging: Path) -> None:
@@ -131,10 +186,14 @@ def _write_side_files(plan: CompressionPlan, directory: Path, command: str) -> N
     config.pop("stem_table_format", None)
     if plan.new.compressed:
         config["stem_table_format"] = plan.new.to_config()
+    config.pop("stem_table_groups", None)
+    if plan.groups:
+        config["stem_table_groups"] = plan.groups
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     card = directory / "README.md"
     text = card.read_text(encoding="utf-8") if card.exists() else ""
     before, after = plan.table_bytes()
-    text += (f"\n## Table format\n\nThe tables are stored as {plan.new.describe()} ({after / 1e9:.2f} GB, "
-             f"{after / before:.3f}x of before), made with `{command or 'stem_upcycle.compress'}`.\n")
+    text += (f"\n## Table format\n\nThe tables are stored as {plan.new.describe()}, {_layout(plan.groups)} "
+             f"({after / 1e9:.2f} GB, {after / before:.3f}x of before), made with "
+             f"`{command or 'stem_upcycle.compress'}`.\n")
     card.write_text(text, encoding="utf-8")

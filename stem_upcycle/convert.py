@@ -66,6 +66,15 @@ class Table:
     part: str = "weight"
 
 
+@dataclass(frozen=True)
+class TableGroup:
+    """An output tensor holding the float tables of `layers` side by side, a token's rows of each layer
+    next to each other (`config.stem_table_groups`)."""
+
+    layers: tuple[int, ...]
+    part: str = "weight"
+
+
 @dataclass
 class ConversionPlan:
     source: Source
@@ -399,7 +408,8 @@ def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> Non
 def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, table_rows, table_format: TableFormat,
                   d_ff: int, chunk_rows: int, directory: Path, progress: bool) -> None:
     """Write `specs` in order into `shards` under `directory`: copies of `tensors`, and tables whose rows
-    (of `d_ff`) `table_rows(layer)` fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`."""
+    (of `d_ff`) `table_rows(layer)` fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`;
+    a group's (`TableGroup`), `table_rows(layers)` fills with the rows of its layers side by side."""
     from tqdm.auto import tqdm
 
     total = sum(s.nbytes for s in specs)
@@ -414,6 +424,10 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
             elif isinstance(producer, Table):
                 later.update(_write_table(table_rows(producer.layer), spec, producer, table_format, d_ff, chunk_rows,
                                           writer))
+            elif isinstance(producer, TableGroup):  # float rows only: nothing written later
+                width = d_ff * len(producer.layers)
+                _write_table(table_rows(producer.layers), spec, producer, table_format, width,
+                             max(1, chunk_rows // len(producer.layers)), writer)
             else:
                 data = tensors.get(producer.source_name)
                 if producer.rows is not None:
@@ -427,8 +441,8 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
         bar.close()
 
 
-def _write_table(fill, spec: TensorSpec, producer: Table, table_format: TableFormat, d_ff: int, chunk_rows: int,
-                 writer: BackgroundWriter) -> dict:
+def _write_table(fill, spec: TensorSpec, producer: Table | TableGroup, table_format: TableFormat, width: int,
+                 chunk_rows: int, writer: BackgroundWriter) -> dict:
     """Compute the table chunk by chunk into recycled buffers while earlier chunks are written.
 
     A compressed table's values (`spec`) are written as they are encoded; its scales, 1/64 of its bytes
@@ -437,7 +451,7 @@ def _write_table(fill, spec: TensorSpec, producer: Table, table_format: TableFor
     rows = spec.shape[0]
     free = queue.Queue()
     for _ in range(POOL_BUFFERS):
-        free.put(torch.empty(chunk_rows, d_ff, dtype=COMPUTE_DTYPE))
+        free.put(torch.empty(chunk_rows, width, dtype=COMPUTE_DTYPE))
     others = {}
     for start in range(0, rows, chunk_rows):
         stop = min(rows, start + chunk_rows)

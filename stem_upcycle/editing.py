@@ -415,6 +415,9 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
     byte without `model_dir`. Nothing appears at `out_dir` unless all of it was written."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = json.loads((model_dir / "config.json").read_text())
+    if config.get("stem_table_groups"):  # the edit's records and its undo address one table's rows
+        raise EditError(f"{model_dir} stores its tables in groups of layers; edit a copy with a tensor per table "
+                        f"(`stem-upcycle compress {model_dir} OUT --layer-groups 1`), or edit at run time (--prompt)")
     check_output(out_dir, model_dir)
     placed = stem_tables(open_source(str(model_dir)), plan.layers)
     tables = placed.stored

@@ -110,9 +110,8 @@ def stem_layers_of(config, layers=None) -> list[int]:
 def stem_tables(source: Source, layers=None):
     """The tables of a STEM checkpoint's layers (all STEM layers, or `layers`) as `MmapTables`: rows
     read from the safetensors files by positioned reads, nothing loaded whole."""
-    from .modeling.stem_tables import MmapTables, table_names
-    from .modeling.table_files import StemTablesError, checkpoint_files, locate_tables
-    from .modeling.table_format import TableFormat
+    from .modeling.stem_tables import MmapTables, locate_stem_tables
+    from .modeling.table_files import StemTablesError, checkpoint_files
 
     config = source.config
     layers = stem_layers_of(config, layers)
@@ -120,7 +119,6 @@ def stem_tables(source: Source, layers=None):
     if files is None:
         raise LoadError(f"{source.spec} holds no safetensors files; its tables can only be read loaded whole")
     try:
-        return MmapTables(locate_tables(files, table_names(files, layers), (config.vocab_size, config.intermediate_size),
-                                        TableFormat.from_config(config)))
+        return MmapTables(locate_stem_tables(files, config, layers))
     except StemTablesError as err:
         raise LoadError(f"{source.spec}: {err}") from None

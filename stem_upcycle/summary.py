@@ -75,6 +75,13 @@ def placement_memory(dense_bytes: int, table_bytes: int, row_bytes: int) -> dict
     }
 
 
+def _placements(config, dense_bytes: int, table_bytes: int, row_bytes: int) -> dict:
+    placements = placement_memory(dense_bytes, table_bytes, row_bytes)
+    if getattr(config, "stem_table_groups", None):  # grouped tables: read from the files alone
+        return {"mmap": placements["mmap"]}
+    return placements
+
+
 def summarize(source: Source) -> Summary:
     cfg = source.config
     is_stem = cfg.model_type == "stem"
@@ -88,7 +95,8 @@ def summarize(source: Source) -> Summary:
     tied_head = vocab * d if getattr(cfg, "tie_word_embeddings", False) and EMBEDDING in tensors else 0
     unread = (vocab - 1) * d if EMBEDDING in tensors else 0
     # A table's tensors: float rows, or compressed values and scales; a token reads one row of each.
-    tables = [n for n in tensors.names() if any(n.startswith(layer_name(i, STEM_TABLE_PREFIX + ".")) for i in stem_layers)]
+    tables = [n for n in tensors.names() if any(n.startswith(layer_name(i, STEM_TABLE_PREFIX + ".")) for i in stem_layers)
+              or ".stem_table_groups." in f".{n}"]  # or groups of them (config.stem_table_groups)
     unread += sum(math.prod(tensors.shape(n)) // vocab * (vocab - 1) for n in tables)
     # A STEM layer's up-projection, where kept (`--first-token dense`), is read for a sequence's first token only.
     unread += sum(math.prod(tensors.shape(n)) for i in stem_layers if (n := layer_name(i, STEM_UP + ".weight")) in tensors)
@@ -111,7 +119,7 @@ def summarize(source: Source) -> Summary:
         ffn_flops_per_token_dense=dense_flops,
         ffn_flops_per_token=flops,
         bytes_on_disk=source.files_bytes,
-        placements=placement_memory(dense_bytes, table_bytes, row_bytes) if is_stem else {},
+        placements=_placements(cfg, dense_bytes, table_bytes, row_bytes) if is_stem else {},
         table_format=_table_format(cfg, tensors, tables) if is_stem else "",
         edits=list(getattr(cfg, "stem_edits", None) or []),
     )
@@ -121,4 +129,8 @@ def _table_format(config, tensors, tables: list[str]) -> str:
     compressed = TableFormat.from_config(config)
     if compressed is not None:
         return compressed.describe()
-    return str(tensors.dtype(tables[0])).removeprefix("torch.") if tables else "none stored"
+    if not tables:
+        return "none stored"
+    groups = getattr(config, "stem_table_groups", None)
+    layout = f", {len(groups)} groups of layers side by side" if groups else ""
+    return str(tensors.dtype(tables[0])).removeprefix("torch.") + layout

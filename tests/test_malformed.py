@@ -128,6 +128,8 @@ NUMERIC_OPTIONS = {
     ("compress", "--max-shard-size"): (lambda d, s, t, v: ["compress", s, t.parent / "out", "--table-dtype", "float16",
                                                            "--max-shard-size", v],
                                        {"0GB": "is not a size", "-1GB": "is not a size", f"{HUGE}TB": "does not parse"}),
+    ("compress", "--layer-groups"): (lambda d, s, t, v: ["compress", s, t.parent / "out", "--layer-groups", v],
+                                     {0: "x>=1", -1: "x>=1", HUGE: None}),
     ("inspect", "--sample"): (lambda d, s, t, v: ["inspect", s, "--tables", "--sample", v],
                               {0: "2<=x<=4096", HUGE: "2<=x<=4096"}),
     ("inspect", "--seed"): (lambda d, s, t, v: ["inspect", s, "--tables", "--seed", v],

@@ -52,16 +52,32 @@ def converted(tmp_path_factory):
     return out, expected, tokenizer
 
 
+def vllm_greedy(path, tables: str | None) -> dict:
+    """{prompt: token ids} of vLLM's greedy continuations (examples/vllm_generate.py); `tables`: the placement,
+    None for the model's default."""
+    command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *PROMPTS,
+               "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512", *(["--tables", tables] if tables else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=ENV)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return {r["prompt"]: r["token_ids"] for r in map(json.loads, filter(lambda l: l.startswith("{"),
+                                                                         result.stdout.splitlines()))}
+
+
 @pytest.mark.parametrize("tables", ["memory", "mmap"])
 def test_offline_batched_greedy_text_equals_transformers(converted, tables):
     path, expected, _ = converted
-    command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *PROMPTS,
-               "--tables", tables, "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=ENV)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    got = {r["prompt"]: r["token_ids"] for r in map(json.loads, filter(lambda l: l.startswith("{"),
-                                                                        result.stdout.splitlines()))}
-    assert got == expected
+    assert vllm_greedy(path, tables) == expected
+
+
+def test_tables_in_groups_of_layers_serve_the_same_greedy_text(converted):
+    """`compress --layer-groups`: the same rows, read a group at a time from the files (the default placement)."""
+    from stem_upcycle.cli import main
+
+    path, expected, _ = converted
+    out = path.parent / "grouped"
+    result = CliRunner().invoke(main, ["compress", str(path), str(out), "--layer-groups", "2", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert vllm_greedy(out, None) == expected
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +103,7 @@ def compressed(converted):
 @pytest.mark.parametrize("tables", [None, "memory"])
 def test_compressed_tables_serve_the_greedy_text_of_transformers(compressed, tables):
     path, expected = compressed
-    command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *PROMPTS,
-               "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512", *(["--tables", tables] if tables else [])]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=ENV)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    got = {r["prompt"]: r["token_ids"] for r in map(json.loads, filter(lambda l: l.startswith("{"),
-                                                                        result.stdout.splitlines()))}
-    assert got == expected
+    assert vllm_greedy(path, tables) == expected
 
 
 def _free_port() -> int:

@@ -29,6 +29,11 @@ class StemConfig(PretrainedConfig):
         stem_table_format: how compressed tables store their rows, {"dtype": "int8" | "float8" | "int4",
             "block_size": elements per float16 scale} (`table_format.py`); None: float rows, in the
             dtype their files hold.
+        stem_table_groups: STEM layers whose tables are stored side by side, a list of lists of layers:
+            a token's rows of a group's layers lie next to each other, in one tensor
+            `model.stem_table_groups.K.weight` [vocab, len(group) x intermediate_size], so that a
+            forward reads them in one read, not one per layer (`stem-upcycle compress --layer-groups`);
+            only the "mmap" placement reads them. None: each table its own tensor.
     """
 
     model_type = "stem"
@@ -44,6 +49,7 @@ class StemConfig(PretrainedConfig):
         stem_tables: str | None = None,
         stem_cache_rows: int = 2048,
         stem_table_format: dict | None = None,
+        stem_table_groups: list | None = None,
         **kwargs,
     ):
         self.dense_model_type = dense_model_type
@@ -55,4 +61,5 @@ class StemConfig(PretrainedConfig):
         self.stem_tables = stem_tables
         self.stem_cache_rows = int(stem_cache_rows)
         self.stem_table_format = stem_table_format
+        self.stem_table_groups = [[int(i) for i in group] for group in stem_table_groups] if stem_table_groups else None
         super().__init__(**kwargs)

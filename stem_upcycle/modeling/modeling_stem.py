@@ -153,7 +153,8 @@ def placement_of_config(config):
     (tables in memory, as parameters), unless `config.stem_tables` asks for mmap or host; then the tables
     are read from the checkpoint the config was loaded from (`config._name_or_path`, a local folder), as
     `from_pretrained` would. With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
-    if config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None:
+    if (config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None
+            and not getattr(config, "stem_table_groups", None)):  # grouped tables are read by mmap alone
         return None
     if not os.path.isdir(config._name_or_path or ""):
         raise StemTablesError(f"stem_tables={config.stem_tables!r} in a model built from its config reads the tables "
@@ -246,7 +247,7 @@ class _StemDispatch:
         super().post_init()
         if placement is not None:  # the tables in the checkpoint are not this model's parameters
             ignored = self._keys_to_ignore_on_load_unexpected  # a set in recent Transformers, a list or None before
-            table = r"mlp\.up_table\.(weight|qweight|scales)"
+            table = r"mlp\.up_table\.(weight|qweight|scales)|stem_table_groups\.\d+\.weight"
             if getattr(placement, "first_token_up", None):  # and nor are the up-projections left in the files;
                 # vLLM skips the keys these patterns match (Transformers only keeps quiet about them), so no
                 # dense layer's up_proj may match

@@ -19,6 +19,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
 
@@ -26,8 +27,8 @@ import torch
 from torch import nn
 
 from .forward_ids import ForwardIds, check_ids
-from .table_files import (StemTablesError, StoredTable, TableFile, advise_rows, checkpoint_files, locate_tables,
-                          locate_tensor, read_rows, read_whole)
+from .table_files import (StemTablesError, StoredTable, TableFile, advise_rows, checkpoint_files, locate_table_groups,
+                          locate_tables, locate_tensor, read_rows, read_whole)
 from .table_format import TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
@@ -122,6 +123,9 @@ class RowAccess:
 
     def parameters_advice(self) -> str:
         """How to have these tables as parameters, which training, resizing and saving need."""
+        if any(t.columns is not None for t in self.stored.values()):
+            return ("its tables are stored in groups of layers: store them a tensor per table (`stem-upcycle "
+                    "compress MODEL OUT --layer-groups 1`) and load that with stem_tables='memory'")
         compressed = next((t.format.dtype for t in self.stored.values() if t.format.compressed), None)
         if compressed is None:
             return "load the model with stem_tables='memory'"
@@ -194,9 +198,11 @@ class MmapTables(RowAccess):
         """Per part, [n, ...] the stored rows of the ids `ids` [n], read from the files."""
         return self._finish(layer, ids, self._start(layer, ids, pool=None))
 
-    def _start(self, layer: int, ids: torch.Tensor, pool) -> tuple[dict, list]:
-        """(the parts' rows of `ids` [n], being read; the reads in flight): on `pool` in tasks of a share of
-        the ids each, or here and now without one."""
+    def _start(self, layer: int, ids: torch.Tensor, pool, shared: dict | None = None) -> tuple[dict, list]:
+        """(the parts' stored rows of `ids` [n], being read; the reads in flight): on `pool` in tasks of a
+        share of the ids each, or here and now without one. `shared`: stored tensor -> (its rows, their
+        reads) that this forward started already; a grouped table's rows are its group's, read once for
+        all the group's layers."""
         table = self.stored[layer]
         check_ids(ids, table.shape[0])  # a read past a table would return another tensor's bytes
         parts, reads = {}, []
@@ -204,21 +210,29 @@ class MmapTables(RowAccess):
             if name in self.resident[layer]:
                 parts[name] = self.resident[layer][name][ids]
                 continue
+            if shared is not None and where in shared:
+                parts[name], started = shared[where]
+                reads += started
+                continue
             rows = parts[name] = torch.empty(ids.numel(), where.shape[1], dtype=where.dtype, device="cpu")
-            fd = self._fds[where.path]
+            fd, started = self._fds[where.path], []
             if pool is None or ids.numel() < MIN_ROWS_PER_READ_TASK:
                 read_rows(fd, where, ids, rows)
-                continue
-            step = max(MIN_ROWS_PER_READ_TASK, -(-ids.numel() // READ_THREADS))
-            for begin in range(0, ids.numel(), step):
-                reads.append(pool.submit(read_rows, fd, where, ids[begin : begin + step], rows[begin : begin + step]))
+            else:
+                step = max(MIN_ROWS_PER_READ_TASK, -(-ids.numel() // READ_THREADS))
+                started = [pool.submit(read_rows, fd, where, ids[b : b + step], rows[b : b + step])
+                           for b in range(0, ids.numel(), step)]
+            reads += started
+            if shared is not None:
+                shared[where] = (rows, started)
         return parts, reads
 
     def _finish(self, layer: int, ids: torch.Tensor, started: tuple[dict, list]) -> dict[str, torch.Tensor]:
-        """The parts' rows once their reads are done, with the rows set on the loaded model in place."""
+        """The table's parts' rows once their reads are done, with the rows set on the loaded model in place."""
         parts, reads = started
         for read in reads:
             read.result()
+        parts = self.stored[layer].own(parts)  # a grouped table's columns of its group's rows
         overlay = self.overlay.get(layer)
         if overlay is not None:
             where = torch.searchsorted(overlay["ids"], ids).clamp(max=overlay["ids"].numel() - 1)
@@ -231,9 +245,13 @@ class MmapTables(RowAccess):
     def advise(self, ids: torch.Tensor, prefetch: "RowPrefetch") -> None:
         """Start the disk reads of every STEM layer's rows of `ids` [n] and of its first-token up-projection
         (left in the files: a page cache that lost it would read it at the layer, 3.5 MB for SmolLM2, while
-        the forward waits), in the order the forward runs the layers, until the forward is over."""
+        the forward waits), in the order the forward runs the layers, until the forward is over; a group's
+        rows (`config.stem_table_groups`) once."""
+        advised = set()
         for layer in sorted(self.stored):
-            reads = [(where, ids) for name, where in self.stored[layer].parts.items() if name not in self.resident[layer]]
+            reads = [(where, ids) for name, where in self.stored[layer].parts.items()
+                     if name not in self.resident[layer] and where not in advised]
+            advised.update(where for where, _ in reads)
             if layer in self.first_token_up:  # the whole weight, in one run; its bias, a few kB, is read when used
                 weight = self.first_token_up[layer][0]
                 reads.insert(0, (weight, torch.arange(weight.shape[0])))
@@ -299,6 +317,8 @@ class RowPrefetch:
         self.tables, self.ids = tables, ids  # sorted distinct lookup ids [n]
         self.layers = iter(sorted(tables.stored))  # in the order the forward runs them
         self.started = {}  # layer -> (parts being read, reads in flight)
+        self.shared = {}  # stored tensor -> (its rows being read, the reads): a group's, for each of its layers
+        self.readers = Counter(where for table in tables.stored.values() for where in table.parts.values())
         self.done = False  # the forward is over: the advice stops
         self.advice = tables.pool().submit(tables.advise, ids, self) if ids.numel() >= MIN_ROWS_PER_READ_TASK else None
         for _ in range(LOOKAHEAD_LAYERS):
@@ -307,7 +327,7 @@ class RowPrefetch:
     def _start_next(self) -> None:
         layer = next(self.layers, None)
         if layer is not None:
-            self.started[layer] = self.tables._start(layer, self.ids, self.tables.pool())
+            self.started[layer] = self.tables._start(layer, self.ids, self.tables.pool(), self.shared)
 
     def take(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's rows; a layer run again (gradient checkpointing's recompute) reads them again, here."""
@@ -320,6 +340,11 @@ class RowPrefetch:
         except BaseException:
             self.cancel(started[1])  # the layer's other reads too
             raise
+        finally:
+            for where in self.tables.stored[layer].parts.values():  # a group's rows go with its last layer
+                self.readers[where] -= 1
+                if not self.readers[where]:
+                    self.shared.pop(where, None)
 
     def cancel(self, taken: list = ()) -> None:
         """Drop the reads not started; wait for those running, which write into this forward's buffers."""
@@ -327,6 +352,7 @@ class RowPrefetch:
         reads += [self.advice] if self.advice is not None else []
         self.done = True
         self.started.clear()
+        self.shared.clear()
         self.layers = iter(())
         for read in reads:
             read.cancel()
@@ -583,6 +609,10 @@ def open_tables(path, config, hub_kwargs: dict):
     if requested not in (*PLACEMENTS, "auto"):
         raise StemTablesError(f"stem_tables={requested!r} is not a placement; use one of {', '.join(PLACEMENTS)}")
     table_format = TableFormat.from_config(config)
+    if getattr(config, "stem_table_groups", None) and config.stem_layers and requested not in ("mmap", "auto"):
+        raise StemTablesError("this model's tables are stored in groups of layers (config.stem_table_groups), which "
+                              "only stem_tables='mmap' reads; load it with stem_tables='mmap', or store them one "
+                              "per layer: `stem-upcycle compress MODEL OUT --layer-groups 1`")
     if not config.stem_layers or (requested == "memory" and table_format is None):
         return None
     files = checkpoint_files(path, hub_kwargs)
@@ -594,8 +624,7 @@ def open_tables(path, config, hub_kwargs: dict):
                               f"{path} has no safetensors files, where its {table_format.dtype} tables should be; "
                               f"download or export it again")
     headers = {}  # each file's header read once, for the tables and the first-token projections
-    tables = locate_tables(files, table_names(files, config.stem_layers), (config.vocab_size, config.intermediate_size),
-                           table_format, headers)
+    tables = locate_stem_tables(files, config, config.stem_layers, headers)
     placement = open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
     if isinstance(placement, MmapTables) and config.stem_dense_first_token:
         shape = (config.intermediate_size, config.hidden_size)
@@ -605,6 +634,23 @@ def open_tables(path, config, hub_kwargs: dict):
                     if config.stem_mlp_bias else None)
             for layer in config.stem_layers})
     return placement
+
+
+def locate_stem_tables(files: dict[str, str], config, layers, headers: dict | None = None) -> dict[int, StoredTable]:
+    """Per STEM layer of `layers`, where its table lies in the checkpoint's files (`files`: tensor name ->
+    file), each its own tensor or a share of its group's (`config.stem_table_groups`)."""
+    shape = (config.vocab_size, config.intermediate_size)
+    groups = getattr(config, "stem_table_groups", None)
+    if not groups:
+        return locate_tables(files, table_names(files, layers), shape, TableFormat.from_config(config), headers)
+    if sorted(layer for group in groups for layer in group) != sorted(config.stem_layers):
+        raise StemTablesError(f"config.stem_table_groups {groups} does not hold each STEM layer "
+                              f"({config.stem_layers}) once; the checkpoint is inconsistent: export it again")
+    if TableFormat.from_config(config) is not None:
+        raise StemTablesError("config.stem_table_groups stores float tables, and config.stem_table_format names "
+                              "compressed ones; the checkpoint is inconsistent: export it again")
+    located = locate_table_groups(files, groups, shape, headers)
+    return {layer: located[layer] for layer in layers}
 
 
 def table_names(files: dict[str, str], layers) -> dict[int, str]:

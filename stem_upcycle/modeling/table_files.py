@@ -48,15 +48,26 @@ class TableFile:
 @dataclass(frozen=True)
 class StoredTable:
     """One STEM layer's table as its checkpoint holds it: the format of its rows and, per stored part
-    (`weight` for float rows; `qweight` and `scales` for compressed ones), where that tensor is."""
+    (`weight` for float rows; `qweight` and `scales` for compressed ones), where that tensor is. A table
+    stored in a group of layers (`config.stem_table_groups`) is `columns` of the group's tensor, whose
+    row holds the rows of every layer of the group side by side."""
 
     format: TableFormat
     parts: dict  # part name -> TableFile
     shape: tuple[int, int]  # [vocab, d_ff] of the decoded table
+    columns: tuple[int, int] | None = None  # (first, stop) of the stored row's columns that are this table's
 
     @property
     def nbytes(self) -> int:
-        return sum(part.nbytes for part in self.parts.values())
+        """The bytes of this table's rows (of a grouped table: its share of the group's)."""
+        share = 1 if self.columns is None else (self.columns[1] - self.columns[0]) / self.parts["weight"].shape[1]
+        return round(sum(part.nbytes for part in self.parts.values()) * share)
+
+    def own(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Of stored rows [n, ...] of each part, this table's columns (a grouped table's, of its group's rows)."""
+        if self.columns is None:
+            return parts
+        return {name: rows[:, self.columns[0] : self.columns[1]] for name, rows in parts.items()}
 
     @property
     def float_dtype(self) -> torch.dtype:
@@ -125,6 +136,27 @@ def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape
         if not found.compressed:
             found = TableFormat(next(k for k, v in FLOAT_DTYPES.items() if v == parts["weight"].dtype))
         located[layer] = StoredTable(found, parts, (vocab, d_ff))
+    return located
+
+
+def locate_table_groups(checkpoint_files: dict[str, str], groups: list[list[int]], shape: tuple[int, int],
+                        headers: dict | None = None) -> dict[int, StoredTable]:
+    """Per STEM layer, its table as `columns` of its group's tensor (`model.stem_table_groups.K.weight`
+    [vocab, len(group) x d_ff], float rows; `groups`: `config.stem_table_groups`), checked as
+    `locate_tables` checks a table."""
+    vocab, d_ff = shape
+    located = {}
+    for k, group in enumerate(groups):
+        suffix = f"stem_table_groups.{k}.weight"
+        name = next((n for n in checkpoint_files if n == suffix or n.endswith("." + suffix)), f"model.{suffix}")
+        if name not in checkpoint_files:
+            raise StemTablesError(f"the checkpoint has no tensor {name}, where config.stem_table_groups stores the "
+                                  f"tables of layers {group}; the checkpoint is incomplete: export it again")
+        width = len(group) * d_ff
+        group_table = locate_tables(checkpoint_files, {k: name.removesuffix(".weight")}, (vocab, width), None,
+                                    headers)[k]
+        for i, layer in enumerate(group):
+            located[layer] = StoredTable(group_table.format, group_table.parts, shape, (i * d_ff, (i + 1) * d_ff))
     return located
 
 

@@ -1,0 +1,210 @@
+"""Tables stored in groups of layers (`compress --layer-groups`, `config.stem_table_groups`): a token's
+rows of a group's layers side by side, read once per forward for the whole group by `mmap`; the round
+trip back to a tensor per table; what refuses them; loading through remote code alone."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stem_upcycle import editing
+from stem_upcycle.cli import main
+from stem_upcycle.modeling.table_files import checkpoint_files
+
+from .conftest import VOCAB, export_stem, run_without_stem_upcycle, save_tiny_tokenizer, tiny_stem
+
+D_FF = 48
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def load(path, placement="mmap", **kwargs):
+    return AutoModelForCausalLM.from_pretrained(path, stem_tables=placement, **kwargs).eval()
+
+
+def tensors(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, path in checkpoint_files(str(folder), {}).items():
+        with safe_open(path, "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+@pytest.fixture
+def layer_major(tmp_path):
+    """A tiny float32 STEM model, every layer converted (0, 1, 2), a tensor per table, in several shards."""
+    path = export_stem(tiny_stem("llama", layers=(0, 1, 2)), tmp_path / "layer-major")
+    save_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture
+def grouped(layer_major, tmp_path):
+    out = tmp_path / "grouped"
+    result = run("compress", layer_major, out, "--layer-groups", 2, "--quiet", "--max-shard-size", "40KB")
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_grouped_tables_hold_each_layers_rows_side_by_side_and_give_the_same_logits(layer_major, grouped, ids):
+    config = json.loads((grouped / "config.json").read_text())
+    assert config["stem_table_groups"] == [[0, 1], [2]] and "stem_table_format" not in config
+    before, after = tensors(layer_major), tensors(grouped)
+    assert not any("up_table" in name for name in after)
+    assert after["model.stem_table_groups.0.weight"].shape == (VOCAB, 2 * D_FF)
+    for layer, (name, column) in {0: ("0", 0), 1: ("0", 1), 2: ("1", 0)}.items():
+        stored = after[f"model.stem_table_groups.{name}.weight"][:, column * D_FF : (column + 1) * D_FF]
+        assert torch.equal(stored, before[f"model.layers.{layer}.mlp.up_table.weight"])
+    dense = [n for n in before if "up_table" not in n]
+    assert sorted(n for n in after if "stem_table_groups" not in n) == sorted(dense)
+    assert all(torch.equal(after[n], before[n]) for n in dense)  # every other tensor as it was
+    assert "2 groups of up to 2 layers side by side" in (grouped / "README.md").read_text()
+    reference, model = load(layer_major, "memory"), load(grouped)
+    assert model.stem_tables == "mmap" and not any("up_table" in n for n in model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+        for length in (VOCAB, 1):  # a prefill read ahead on the pool, a decode step read in the forward's thread
+            x = torch.arange(VOCAB).flip(0)[None, :length]
+            torch.testing.assert_close(model(x).logits, reference(x).logits, rtol=0, atol=0)
+    for layer in (0, 1, 2):
+        assert torch.equal(model.stem_table_rows(layer, torch.arange(VOCAB)),
+                           reference.stem_table_rows(layer, torch.arange(VOCAB)))
+    assert load(grouped, None).stem_tables == "mmap"  # the default placement reads them
+    result = run("inspect", grouped)
+    assert result.exit_code == 0 and "float32, 2 groups of layers side by side" in result.output, result.output
+    placements = [line.split()[0] for line in result.output.splitlines() if line.startswith("  ")]
+    assert placements == ["mmap"], result.output  # the one placement that reads them
+    result = run("inspect", grouped, "--tables", "--layer", "1", "--sample", "32")
+    assert result.exit_code == 0, result.output
+
+
+def test_a_forward_reads_and_advises_each_groups_rows_once(layer_major, grouped, monkeypatch):
+    from stem_upcycle.modeling import stem_tables
+
+    monkeypatch.setattr(stem_tables, "MIN_ROWS_PER_READ_TASK", 2)  # several read tasks per group
+    monkeypatch.setattr(stem_tables, "LOOKAHEAD_LAYERS", 1)  # a group's second layer is started after its first
+    calls = {"read": [], "advise": []}
+    read_rows, advise_rows = stem_tables.read_rows, stem_tables.advise_rows
+    monkeypatch.setattr(stem_tables, "read_rows", lambda fd, where, ids, out: calls["read"].append(
+        (where, ids.numel())) or read_rows(fd, where, ids, out))
+    monkeypatch.setattr(stem_tables, "advise_rows", lambda fd, where, ids: calls["advise"].append(
+        (where, ids.numel())) or advise_rows(fd, where, ids))
+    x = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[None, :80]
+    read = {}
+    for path in (layer_major, grouped):
+        model = load(path)
+        calls["read"].clear(), calls["advise"].clear()
+        with torch.no_grad():
+            model(x)
+        tables = {t.parts["weight"] for t in model.stem_placement.stored.values()}
+        rows = {where: sum(n for w, n in calls["read"] if w == where) for where in tables}
+        assert rows == {where: 80 for where in tables}  # each stored tensor's rows of the forward, read once
+        advised = [where for where, _ in calls["advise"] if where in tables]
+        assert sorted(advised, key=lambda w: w.offset) == sorted(tables, key=lambda w: w.offset)
+        read[path] = sum(where.shape[1] for where in tables)
+    assert len({t.parts["weight"] for t in load(grouped).stem_placement.stored.values()}) == 2
+    assert read[grouped] == read[layer_major] == 3 * D_FF  # the same bytes, in 2 tensors' reads instead of 3
+
+
+def test_compress_turns_groups_back_into_a_tensor_per_table_byte_for_byte(layer_major, grouped, tmp_path, ids):
+    back = tmp_path / "back"
+    result = run("compress", grouped, back, "--layer-groups", 1, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert "stem_table_groups" not in json.loads((back / "config.json").read_text())
+    before, after = tensors(layer_major), tensors(back)
+    assert set(after) == set(before)
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
+    assert load(back, "memory").stem_tables == "memory"  # parameters again, which training needs
+    # a dtype and a grouping at once; the layout alone keeps the dtype
+    bf16 = tmp_path / "bf16"
+    assert run("compress", layer_major, bf16, "--table-dtype", "bfloat16", "--layer-groups", 3, "--quiet").exit_code == 0
+    stored = tensors(bf16)["model.stem_table_groups.0.weight"]
+    assert stored.dtype == torch.bfloat16 and stored.shape == (VOCAB, 3 * D_FF)
+    assert torch.equal(stored[:, D_FF : 2 * D_FF], before["model.layers.1.mlp.up_table.weight"].bfloat16())
+    assert tensors(grouped)["model.stem_table_groups.1.weight"].dtype == torch.float32
+
+
+def test_a_run_time_edit_of_grouped_tables_reads_what_a_layer_major_edit_reads(layer_major, grouped):
+    tokenizer = AutoTokenizer.from_pretrained(layer_major)
+    x = torch.tensor([[1, 5, 2, 5, 7]])
+    results = []
+    for path in (layer_major, grouped):
+        model = load(path)
+        plan = editing.plan_edit(tokenizer, model.config, ["w5=w9"])
+        with torch.no_grad():
+            plain = model(x).logits
+            changes = editing.apply_edit(model, plan)
+            results.append(model(x).logits)
+            editing.revert_edit(model, changes)
+            torch.testing.assert_close(model(x).logits, plain, rtol=0, atol=0)
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+    assert not torch.equal(results[0], plain)
+
+
+def digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_what_reads_a_table_per_layer_refuses_grouped_tables_in_one_line(grouped, tmp_path, host_on_cpu):
+    from stem_upcycle.modeling.table_files import StemTablesError
+
+    for placement in ("memory", "host"):
+        with pytest.raises(StemTablesError, match="only stem_tables='mmap' reads; load it with") as err:
+            load(grouped, placement)
+        assert "\n" not in str(err.value)
+    model = load(grouped)
+    for call in (lambda: model.save_pretrained(tmp_path / "saved"), lambda: model.model.layers[1].mlp.up_table.weight):
+        with pytest.raises(StemTablesError, match="--layer-groups 1`\\) and load that with stem_tables='memory'"):
+            call()
+    before, out = digest(grouped), tmp_path / "out"
+    cases = [
+        (["edit", grouped, "--swap", "w5=w9", "--output", out], "edit a copy with a tensor per table"),
+        (["compress", grouped, out, "--table-dtype", "int8", "--table-block", 16], "add --layer-groups 1"),
+        (["compress", grouped, out, "--layer-groups", 2, "--table-dtype", "int8", "--table-block", 16],
+         "give a float --table-dtype"),
+        (["compress", grouped, out, "--layer-groups", 2], "already float32, stored as 2 groups"),
+        (["compress", grouped, out, "--layer-groups", 0], "0 is not in the range"),
+    ]
+    for args, message in cases:
+        result = run(*args)
+        assert result.exit_code != 0 and message in result.output, (args, result.output)
+        assert "Traceback" not in result.output and not out.exists()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  source: {grouped}\n  init_from: {grouped}\ndata:\n  train: [{grouped / 'config.json'}]\n")
+    result = run("train", recipe, "--output", tmp_path / "t")
+    assert result.exit_code == 1 and "--layer-groups 1`) and train OUT" in result.output, result.output
+    assert digest(grouped) == before
+
+
+def test_grouped_tables_load_through_remote_code_alone(layer_major, grouped, tmp_path, ids):
+    with torch.no_grad():
+        expected = load(layer_major, "memory")(ids).logits
+    torch.save({"ids": ids, "logits": expected}, tmp_path / "data.pt")
+    run_without_stem_upcycle("""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        path, data = sys.argv[1], torch.load(sys.argv[2])
+        for kwargs in ({}, {"stem_tables": "mmap"}):
+            model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs).eval()
+            assert type(model).__module__.startswith("transformers_modules") and model.stem_tables == "mmap"
+            with torch.no_grad():
+                torch.testing.assert_close(model(data["ids"]).logits, data["logits"], rtol=0, atol=0)
+        try:
+            AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, stem_tables="memory")
+        except ValueError as err:
+            assert "only stem_tables='mmap' reads" in str(err), err
+        else:
+            raise AssertionError("memory loaded grouped tables")
+        # vLLM builds the model from its config under a meta-device context; the rows come from the files
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, trust_remote_code=True),
+                                                     trust_remote_code=True)
+        assert torch.equal(built.stem_table_rows(1, torch.arange(16)), model.stem_table_rows(1, torch.arange(16)))
+    """, grouped, tmp_path / "data.pt")
