@@ -33,7 +33,7 @@ class CompressionPlan:
     new: TableFormat
     groups: list | None  # the new `config.stem_table_groups`; None: a tensor per table
     specs: list[TensorSpec]
-    producers: dict  # output name -> Copy | Table
+    producers: dict  # output name -> Copy | Table | TableGroup
     shards: list
 
     @property
