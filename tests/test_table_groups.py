@@ -4,6 +4,7 @@ trip back to a tensor per table; what refuses them; loading through remote code 
 
 import hashlib
 import json
+import re
 
 import pytest
 import torch
@@ -208,3 +209,33 @@ def test_grouped_tables_load_through_remote_code_alone(layer_major, grouped, tmp
                                                      trust_remote_code=True)
         assert torch.equal(built.stem_table_rows(1, torch.arange(16)), model.stem_table_rows(1, torch.arange(16)))
     """, grouped, tmp_path / "data.pt")
+
+
+def test_a_grouping_that_disagrees_with_the_files_is_a_one_line_error_at_load(grouped, tmp_path):
+    import shutil
+
+    from stem_upcycle.modeling.table_files import StemTablesError
+
+    cases = {
+        "[[0, 1]]": "does not hold each STEM layer ([0, 1, 2]) once",
+        "[[0, 1], [2], [1]]": "does not hold each STEM layer",
+        "[[0], [1, 2]]": "has shape [96, 96], the config says [96, 48]",
+    }
+    for groups, message in cases.items():
+        broken = tmp_path / "broken"
+        shutil.rmtree(broken, ignore_errors=True)
+        shutil.copytree(grouped, broken)
+        config = json.loads((broken / "config.json").read_text())
+        config["stem_table_groups"] = json.loads(groups)
+        (broken / "config.json").write_text(json.dumps(config))
+        with pytest.raises(StemTablesError, match=re.escape(message)) as err:
+            load(broken)
+        assert "\n" not in str(err.value)
+    # a group's tensor missing from the files
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.stem_table_groups.1.weight"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    config["stem_table_groups"] = [[0, 1], [2]]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StemTablesError, match=r"has no tensor model.stem_table_groups.1.weight, where .* layers \[2\]"):
+        load(broken)
