@@ -21,6 +21,7 @@ from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table
 from .atomic import write_staged
 from .families import STEM_TABLE_PREFIX, layer_name
 from .loading import stem_tables
+from .modeling.table_files import TABLE_GROUP_PREFIX
 from .modeling.table_format import TableFormat
 from .shards import INDEX_NAME, TensorSpec, plan_shards
 from .source import Source
@@ -77,10 +78,7 @@ def _table_layer(name: str) -> int | None:
 
 def _is_table(name: str) -> bool:
     """A table's tensor, or a group's of tables (`config.stem_table_groups`)."""
-    return _table_layer(name) is not None or f".{GROUP_PREFIX}." in f".{name}"
-
-
-GROUP_PREFIX = "stem_table_groups"  # a group's tensor: model.stem_table_groups.K.weight
+    return _table_layer(name) is not None or f".{TABLE_GROUP_PREFIX}." in f".{name}"
 
 
 def plan_compression(source: Source, table_dtype: str | None, block_size: int | None = None,
@@ -111,7 +109,7 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
             placed_at[name] = (tensor_order_key(name), TensorSpec(name, tuple(tensors.shape(name)), tensors.dtype(name)),
                                Copy(name))
     for k, group in enumerate(groups or []):
-        out = f"{_base_prefix(source)}{GROUP_PREFIX}.{k}.weight"
+        out = f"{_base_prefix(source)}{TABLE_GROUP_PREFIX}.{k}.weight"
         key = tensor_order_key(layer_name(group[0], STEM_TABLE_PREFIX + ".weight"))
         placed_at[out] = (key, TensorSpec(out, (vocab, d_ff * len(group)), new.parts(d_ff)["weight"][1]),
                           TableGroup(tuple(group)))

@@ -30,7 +30,7 @@ import transformers
 from .configuration_stem import StemConfig
 from .forward_ids import IdHandoff, RowEdit, cached_length, check_ids, first_tokens
 from .stem_tables import MappedLinear, PlacedTable, open_tables
-from .table_files import StemTablesError
+from .table_files import TABLE_GROUP_PREFIX, StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
 HUB_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "subfolder")
@@ -247,7 +247,7 @@ class _StemDispatch:
         super().post_init()
         if placement is not None:  # the tables in the checkpoint are not this model's parameters
             ignored = self._keys_to_ignore_on_load_unexpected  # a set in recent Transformers, a list or None before
-            table = r"mlp\.up_table\.(weight|qweight|scales)|stem_table_groups\.\d+\.weight"
+            table = rf"mlp\.up_table\.(weight|qweight|scales)|{TABLE_GROUP_PREFIX}\.\d+\.weight"
             if getattr(placement, "first_token_up", None):  # and nor are the up-projections left in the files;
                 # vLLM skips the keys these patterns match (Transformers only keeps quiet about them), so no
                 # dense layer's up_proj may match

@@ -23,6 +23,10 @@ SAFETENSORS_DTYPES = {
 }
 
 
+# A group of tables (`config.stem_table_groups`) is the tensor `<base prefix>.stem_table_groups.K.weight`.
+TABLE_GROUP_PREFIX = "stem_table_groups"
+
+
 class StemTablesError(ValueError):
     """A table placement that cannot work here; the message names the problem and the fix."""
 
@@ -147,7 +151,7 @@ def locate_table_groups(checkpoint_files: dict[str, str], groups: list[list[int]
     vocab, d_ff = shape
     located = {}
     for k, group in enumerate(groups):
-        suffix = f"stem_table_groups.{k}.weight"
+        suffix = f"{TABLE_GROUP_PREFIX}.{k}.weight"
         name = next((n for n in checkpoint_files if n == suffix or n.endswith("." + suffix)), f"model.{suffix}")
         if name not in checkpoint_files:
             raise StemTablesError(f"the checkpoint has no tensor {name}, where config.stem_table_groups stores the "
