@@ -52,7 +52,7 @@ def main(source, texts, layer_sets, tokens, window):
     base = evaluate(dense, ids, window)["ppl"]
     print(f"{'dense':<10} layers {'-':<40} ppl {base:12.4g}   ratio 1.00   ({time.time() - start:.0f}s)")
     for spec in layer_sets:
-        plan = plan_conversion(src, layers=spec, dtype="float32")
+        plan = plan_conversion(src, layers=spec, dtype="float32", layer_groups=1)  # a parameter per table, set here
         start = time.time()
         ppl = evaluate(stem_model(src, plan), ids, window)["ppl"]
         print(f"{spec:<10} layers {str(plan.layers):<40} ppl {ppl:12.4g}   ratio {ppl / base:.3g}   ({time.time() - start:.0f}s)")

@@ -7,7 +7,7 @@ import sys
 import click
 
 from .card import UNTRAINED_WARNING
-from .convert import FIRST_TOKEN
+from .convert import DEFAULT_LAYER_GROUPS, FIRST_TOKEN
 from .source import DTYPES
 from .editing import MODES
 from .errors import UserError
@@ -66,6 +66,13 @@ TABLE_BLOCK = click.option("--table-block", type=click.IntRange(min=2), default=
                            help=f"Elements that share one scale in a compressed table (default: {_BLOCKS}).")
 
 
+def layer_groups_option(default_help: str):
+    return click.option("--layer-groups", type=COUNT, default=None, metavar="G",
+                        help="Store float tables in groups of G consecutive STEM layers, a token's rows of a group "
+                             "side by side, so that a forward reads its rows not yet in memory in one read per "
+                             f"token and group, not one per layer; 1: a tensor per table. {default_help}")
+
+
 MAX_SHARD_SIZE = click.option("--max-shard-size", default="5GB", show_default=True,
                               help="Largest safetensors shard, e.g. 2GB or 500MB.")
 OVERWRITE = click.option("--overwrite", is_flag=True,
@@ -108,13 +115,15 @@ def main():
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
 @table_dtype_option(None, "Default: --dtype (float tables, which training needs).")
 @TABLE_BLOCK
+@layer_groups_option(f"Default: {DEFAULT_LAYER_GROUPS}, or as many as a shard holds (--max-shard-size); "
+                     "compressed tables: 1.")
 @MAX_SHARD_SIZE
 @OVERWRITE
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
 def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, device,
-            dtype, table_dtype, table_block, max_shard_size, overwrite, dry_run, quiet):
+            dtype, table_dtype, table_block, layer_groups, max_shard_size, overwrite, dry_run, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id already in the local cache, a .gguf file,
@@ -143,7 +152,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
                                                         progress=not quiet)
     plan = plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
                            init_options=options, progress=not quiet, dry_run=dry_run, first_token=first_token,
-                           table_dtype=table_dtype, block_size=table_block)
+                           table_dtype=table_dtype, block_size=table_block, layer_groups=layer_groups)
     click.echo(plan.describe())
     if dry_run:
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)
@@ -154,6 +163,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
              "--dtype", dtype, "--table-dtype", plan.table_format.dtype, "--max-shard-size", str(max_shard_size)]
     if plan.table_format.compressed:
         words += ["--table-block", str(plan.table_format.block_size)]
+    words += ["--layer-groups", str(max(map(len, plan.config.stem_table_groups or [[0]])))]
     if calib_data or calib_generate:
         words += [w for f in calib_data for w in ("--calib-data", f)]
         words += ["--calib-tokens", str(calib_tokens), "--calib-generate", str(calib_generate),
@@ -185,11 +195,8 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
 @table_dtype_option(DEFAULT_COMPRESSED, "The default is the smallest format within its quality target on every "
                     "held-out set (benchmarks/table_formats.py); float32, bfloat16 or float16 decompress.")
 @TABLE_BLOCK
-@click.option("--layer-groups", type=COUNT, default=None, metavar="G",
-              help="Store float tables in groups of G consecutive STEM layers, a token's rows of a group side by "
-                   "side, so that a cold forward reads them in one read, not G (read by stem_tables='mmap' alone; "
-                   "1: a tensor per table, which training, edits and the other placements read). Given alone, "
-                   "the tables keep their dtype.")
+@layer_groups_option("Default: as MODEL stores them (compressed tables: a tensor per table). Given alone, the "
+                     "tables keep their dtype.")
 @MAX_SHARD_SIZE
 @OVERWRITE
 @click.option("--dry-run", is_flag=True, help="Print the table bytes before and after and write nothing.")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table, TableGroup, check_output,
-                      chunk_rows, parse_shard_size, resolve_table_format, tensor_order_key, write_tensors)
+                      chunk_rows, parse_shard_size, resolve_table_format, table_group_name, table_groups,
+                      table_layout, tensor_order_key, write_tensors)
 from .atomic import write_staged
 from .families import STEM_TABLE_PREFIX, layer_name
 from .loading import stem_tables
@@ -53,7 +54,7 @@ class CompressionPlan:
         return "\n".join([
             f"model      {self.source.spec} ({len(self.old)} STEM tables of [{cfg.vocab_size}, {cfg.intermediate_size}])",
             f"tables     {' / '.join(olds)} -> {self.new.describe()}",
-            f"layout     {_layout(self.source.config.stem_table_groups)} -> {_layout(self.groups)}",
+            f"layout     {table_layout(self.source.config.stem_table_groups)} -> {table_layout(self.groups)}",
             f"table bytes {_size(before)} -> {_size(after)} ({after / before:.3f}x)",
             f"output     {_size(self.total_bytes)} in {len(self.shards)} shard(s) (the model now: "
             f"{_size(self.source.files_bytes)})",
@@ -62,12 +63,6 @@ class CompressionPlan:
 
 def _size(count: int) -> str:
     return f"{count / 1e9:.3f} GB" if count >= 1e9 else f"{count / 1e6:.3f} MB"
-
-
-def _layout(groups: list | None) -> str:
-    if not groups:
-        return "a tensor per table"
-    return f"{len(groups)} groups of up to {max(map(len, groups))} layers side by side"
 
 
 def _table_layer(name: str) -> int | None:
@@ -101,7 +96,7 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
     groups = _new_groups(source, new, layer_groups)
     if all(f == new for f in old.values()) and groups == cfg.stem_table_groups:
         raise ConversionError(f"the tables of {source.spec} are already {new.describe()}, stored as "
-                              f"{_layout(groups)}; nothing to do")
+                              f"{table_layout(groups)}; nothing to do")
     tensors, vocab, d_ff = source.tensors, cfg.vocab_size, cfg.intermediate_size
     placed_at = {}  # output name -> (sort key, spec, producer): every table where its layer's tensors are
     for name in tensors.names():
@@ -109,7 +104,7 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
             placed_at[name] = (tensor_order_key(name), TensorSpec(name, tuple(tensors.shape(name)), tensors.dtype(name)),
                                Copy(name))
     for k, group in enumerate(groups or []):
-        out = f"{_base_prefix(source)}{TABLE_GROUP_PREFIX}.{k}.weight"
+        out = table_group_name(k)
         key = tensor_order_key(layer_name(group[0], STEM_TABLE_PREFIX + ".weight"))
         placed_at[out] = (key, TensorSpec(out, (vocab, d_ff * len(group)), new.parts(d_ff)["weight"][1]),
                           TableGroup(tuple(group)))
@@ -124,26 +119,11 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
 
 
 def _new_groups(source: Source, new: TableFormat, layer_groups: int | None) -> list | None:
-    """The new `config.stem_table_groups`: `layer_groups` consecutive STEM layers each (1: none), or as now."""
-    cfg = source.config
+    """The new `config.stem_table_groups`: `layer_groups` consecutive STEM layers each (1: none), or as now
+    (None; compressed tables are stored a tensor per table)."""
     if layer_groups is None:
-        if cfg.stem_table_groups and new.compressed:
-            raise ConversionError(f"{source.spec} stores its tables in groups of layers, and {new.dtype} tables are "
-                                  f"stored one per layer: add --layer-groups 1")
-        return cfg.stem_table_groups
-    if layer_groups < 1:
-        raise ConversionError(f"--layer-groups {layer_groups}: give 1 (a tensor per table) or more layers per group")
-    if layer_groups > 1 and new.compressed:
-        raise ConversionError(f"--layer-groups {layer_groups} stores float tables side by side, and {new.dtype} is "
-                              f"compressed: give a float --table-dtype (float32, bfloat16, float16) or --layer-groups 1")
-    layers = list(cfg.stem_layers)
-    return [layers[i : i + layer_groups] for i in range(0, len(layers), layer_groups)] if layer_groups > 1 else None
-
-
-def _base_prefix(source: Source) -> str:
-    """What the checkpoint's names put before `layers.`: `model.` for every family here."""
-    some = next(n for n in source.tensors.names() if ".layers." in f".{n}")
-    return some[: some.index("layers.")]
+        return None if new.compressed else source.config.stem_table_groups
+    return table_groups(source.config.stem_layers, layer_groups, new)
 
 
 def run_compression(plan: CompressionPlan, out: Path, overwrite: bool = False, progress: bool = True,
@@ -157,11 +137,8 @@ def run_compression(plan: CompressionPlan, out: Path, overwrite: bool = False, p
     placed = stem_tables(plan.source)
     d_ff = plan.source.config.intermediate_size
 
-    def table_rows(layers):  # one layer, or a group's layers, side by side
-        def fill(start, stop, chunk):
-            for i, layer in enumerate(layers if isinstance(layers, tuple) else (layers,)):
-                chunk[:, i * d_ff : (i + 1) * d_ff].copy_(placed.read_range(layer, start, stop))
-        return fill
+    def table_rows(layer):
+        return lambda start, stop, chunk: chunk.copy_(placed.read_range(layer, start, stop))
 
     def write(staging: Path) -> None:
         write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, table_rows, plan.new, d_ff,
@@ -191,7 +168,7 @@ def _write_side_files(plan: CompressionPlan, directory: Path, command: str) -> N
     card = directory / "README.md"
     text = card.read_text(encoding="utf-8") if card.exists() else ""
     before, after = plan.table_bytes()
-    text += (f"\n## Table format\n\nThe tables are stored as {plan.new.describe()}, {_layout(plan.groups)} "
+    text += (f"\n## Table format\n\nThe tables are stored as {plan.new.describe()}, {table_layout(plan.groups)} "
              f"({after / 1e9:.2f} GB, {after / before:.3f}x of before), made with "
              f"`{command or 'stem_upcycle.compress'}`.\n")
     card.write_text(text, encoding="utf-8")

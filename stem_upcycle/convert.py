@@ -20,9 +20,11 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from . import card
 from .errors import UserError
-from .families import EMBEDDING, LM_HEAD, STEM_GATE, STEM_TABLE_PREFIX, STEM_UP, Family, family_for, layer_name
+from .families import (EMBEDDING, LAYER_PREFIX, LM_HEAD, STEM_GATE, STEM_TABLE_PREFIX, STEM_UP, Family, family_for,
+                       layer_name)
 from .layers import DEFAULT_LAYERS, parse_layers
 from .modeling import StemConfig
+from .modeling.table_files import TABLE_GROUP_PREFIX
 from .modeling.table_format import TableFormat, TableFormatError
 from .atomic import write_staged
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
@@ -83,7 +85,7 @@ class ConversionPlan:
     dtype: torch.dtype
     init: str
     specs: list[TensorSpec]
-    producers: dict  # output name -> Copy | Table
+    producers: dict  # output name -> Copy | Table | TableGroup
     shards: list[list[TensorSpec]]
     config: StemConfig
     init_options: InitOptions  # what the init reads besides the checkpoint (calibration text, ...)
@@ -101,7 +103,7 @@ class ConversionPlan:
 
     @property
     def table_specs(self) -> list[TensorSpec]:
-        return [s for s in self.specs if isinstance(self.producers[s.name], Table)]
+        return [s for s in self.specs if isinstance(self.producers[s.name], (Table, TableGroup))]
 
     @property
     def table_bytes(self) -> int:
@@ -117,8 +119,9 @@ class ConversionPlan:
         cfg = self.config
         embedding = tensors.nbytes(EMBEDDING)
         chunk = self.chunk_rows * cfg.intermediate_size * COMPUTE_DTYPE.itemsize
-        up = cfg.intermediate_size * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
-        largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], Table))
+        group = max(map(len, cfg.stem_table_groups or [[0]]))  # a group's layers' W_up are held together
+        up = group * cfg.intermediate_size * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
+        largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], (Table, TableGroup)))
         runtime = 600 * 2**20  # Python, torch and transformers themselves
         if INITIALISERS[self.init].needs_data:  # the dense model in fp32, accumulators
             from .table_init.calibrated import CALIB_MEMORY_BYTES
@@ -137,7 +140,8 @@ class ConversionPlan:
                f"and scored on calibration windows)" if self.auto_spec else f"{self.layers}"),
             f"init       {self.init}: {INITIALISERS[self.init].description}",
             f"tables     {len(self.layers)} x [{cfg.vocab_size}, {cfg.intermediate_size}] {self.table_format.describe()}"
-            f" = {self.table_bytes / gb:.2f} GB ({self.table_bytes / len(self.layers) / gb:.2f} GB each)",
+            f" = {self.table_bytes / gb:.2f} GB ({self.table_bytes / len(self.layers) / gb:.2f} GB each), "
+            f"{table_layout(cfg.stem_table_groups)}",
             f"output     {self.total_bytes / gb:.2f} GB in {len(self.shards)} shard(s)",
             f"peak RAM   ~{self.ram_estimate() / gb:.1f} GB (estimate)",
         ]
@@ -178,13 +182,15 @@ def plan_conversion(
     first_token: str = "dense",
     table_dtype: str | None = None,
     block_size: int | None = None,
+    layer_groups: int | None = None,
 ) -> ConversionPlan:
     """Decide every output tensor and shard without reading any weight (`--layers auto:` reads them to
     measure the layers, except in a dry run, which plans for as many layers without choosing them).
 
     `first_token`: "dense" keeps each STEM layer's up-projection for the sequences' first tokens
     (see `StemMLP`), "table" reads their rows like any other token's. `table_dtype` stores the tables'
-    rows as a float dtype or compressed (int8, float8, int4 with per-`block_size` scales); None: `dtype`."""
+    rows as a float dtype or compressed (int8, float8, int4 with per-`block_size` scales); None: `dtype`.
+    `layer_groups`: float tables stored in groups of that many consecutive STEM layers (`table_groups`)."""
     dense = source.config
     family = family_for(dense.model_type)
     _refuse_quantized(source, family)
@@ -210,10 +216,17 @@ def plan_conversion(
         stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = resolve_dtype(dtype, source)
     table_format = resolve_table_format(table_dtype or _dtype_name(out_dtype), block_size, dense.intermediate_size)
+    shard_bytes, d_ff = parse_shard_size(max_shard_size), dense.intermediate_size
+    if layer_groups is None and table_format.compressed:  # compressed tables: a tensor (and scales) per table
+        layer_groups = 1
+    elif layer_groups is None:  # as many as a shard holds, up to the default
+        table_bytes = dense.vocab_size * dense.intermediate_size * table_format.parts(d_ff)["weight"][1].itemsize
+        layer_groups = max(1, min(DEFAULT_LAYER_GROUPS, shard_bytes // table_bytes))
+    groups = table_groups(stem_layers, layer_groups, table_format)
+    first_of_group = {group[0]: (k, group) for k, group in enumerate(groups or [])}
     tensors = source.tensors
 
     specs, producers = [], {}
-    d_ff = dense.intermediate_size
     dropped = set()
     for layer in stem_layers:  # the up-projection (and its bias) is what the table replaces
         if not (family.fused_gate_up or dense_first):  # a fused gate_up is cut to its gate rows below
@@ -234,7 +247,12 @@ def plan_conversion(
         specs.append(TensorSpec(out_name, shape, out_dtype if kind.is_floating_point else kind))
         producers[out_name] = producer
         last_of_layer = position + 1 == len(names) or _layer_of(names[position + 1]) != layer
-        if layer in stem_layers and last_of_layer:
+        if layer in first_of_group and last_of_layer:  # a group's tables where its first layer's would be
+            k, group = first_of_group[layer]
+            specs.append(TensorSpec(table_group_name(k), (dense.vocab_size, len(group) * d_ff),
+                                    table_format.parts(d_ff)["weight"][1]))
+            producers[table_group_name(k)] = TableGroup(tuple(group))
+        elif layer in stem_layers and last_of_layer and not groups:
             for part, (width, part_dtype) in table_format.parts(d_ff).items():
                 table = layer_name(layer, f"{STEM_TABLE_PREFIX}.{part}")
                 specs.append(TensorSpec(table, (dense.vocab_size, width), part_dtype))
@@ -242,12 +260,47 @@ def plan_conversion(
     has_bias = layer_name(stem_layers[0], STEM_GATE + ".bias") in producers
     config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias, dense_first)
     config.stem_table_format = table_format.to_config()
+    config.stem_table_groups = groups
     if layer_costs is not None:  # what the choice rests on, kept for the user (and for choosing other counts)
         config.stem_layer_costs = {str(layer): round(cost, 4) for layer, cost in layer_costs.items()}
         config.stem_layer_fact_costs = {str(layer): round(cost, 4) for layer, cost in fact_costs.items()}
-    shards = plan_shards(specs, parse_shard_size(max_shard_size))
+    shards = plan_shards(specs, shard_bytes)
     return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config, init_options,
                           auto_spec, table_format)
+
+
+# Consecutive STEM layers whose tables a conversion stores side by side (`config.stem_table_groups`), at
+# most: fewer where a group would not fit in a shard (--max-shard-size; Llama-3.2-1B's bf16 tables in 5 GB: 2).
+# benchmarks/row_layout.py, all 30 SmolLM2 layers, 504 cold random ids: groups of 5 read a forward's rows
+# in a third of the time a tensor per table takes (3,027 reads instead of 15,135), while the first STEM
+# layer waits about as long as it does for its own table's rows (21-25 ms against 16-20 ms).
+DEFAULT_LAYER_GROUPS = 5
+
+
+def table_groups(layers: list[int], layer_groups: int, table_format: TableFormat) -> list[list[int]] | None:
+    """`config.stem_table_groups`: the STEM layers `layers` in groups of `layer_groups` consecutive ones;
+    None for a tensor per table (1)."""
+    if layer_groups < 1:
+        raise ConversionError(f"--layer-groups {layer_groups}: give 1 (a tensor per table) or more layers per group")
+    if layer_groups > 1 and table_format.compressed:
+        raise ConversionError(f"--layer-groups {layer_groups} stores float tables side by side, and {table_format.dtype} "
+                              f"is compressed: give a float --table-dtype (float32, bfloat16, float16) or --layer-groups 1")
+    layers = sorted(layers)
+    groups = [layers[i : i + layer_groups] for i in range(0, len(layers), layer_groups)]
+    return groups if layer_groups > 1 and len(layers) > 1 else None
+
+
+def table_group_name(k: int) -> str:
+    """The tensor of the `k`-th group of tables: `model.stem_table_groups.K.weight`."""
+    return LAYER_PREFIX[: LAYER_PREFIX.index("layers.")] + f"{TABLE_GROUP_PREFIX}.{k}.weight"
+
+
+def table_layout(groups: list | None) -> str:
+    """How the tables lie in the files, in words."""
+    if not groups:
+        return "a tensor per table"
+    return (f"{len(groups)} group{'s' if len(groups) > 1 else ''} of up to {max(map(len, groups))} layers "
+            f"side by side")
 
 
 # Tensors that only quantized checkpoints hold: per-block or per-channel scales, packed integer weights.
@@ -409,7 +462,7 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
                   d_ff: int, chunk_rows: int, directory: Path, progress: bool) -> None:
     """Write `specs` in order into `shards` under `directory`: copies of `tensors`, and tables whose rows
     (of `d_ff`) `table_rows(layer)` fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`;
-    a group's (`TableGroup`), `table_rows(layers)` fills with the rows of its layers side by side."""
+    a group's (`TableGroup`) with the rows of its layers side by side."""
     from tqdm.auto import tqdm
 
     total = sum(s.nbytes for s in specs)
@@ -425,8 +478,8 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
                 later.update(_write_table(table_rows(producer.layer), spec, producer, table_format, d_ff, chunk_rows,
                                           writer))
             elif isinstance(producer, TableGroup):  # float rows only: nothing written later
-                width = d_ff * len(producer.layers)
-                _write_table(table_rows(producer.layers), spec, producer, table_format, width,
+                fill = side_by_side([table_rows(layer) for layer in producer.layers], d_ff)
+                _write_table(fill, spec, producer, table_format, d_ff * len(producer.layers),
                              max(1, chunk_rows // len(producer.layers)), writer)
             else:
                 data = tensors.get(producer.source_name)
@@ -439,6 +492,17 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
         raise
     finally:
         bar.close()
+
+
+def side_by_side(fills: list, d_ff: int):
+    """One `fill(start, stop, out)` of a group's rows [rows, len(fills) x d_ff] from its layers' fills, each
+    writing its layer's columns (through a buffer: a fill may compute into `out` as a contiguous matrix)."""
+    def fill(start: int, stop: int, out: torch.Tensor) -> None:
+        rows = torch.empty(stop - start, d_ff, dtype=out.dtype)
+        for i, layer_fill in enumerate(fills):
+            layer_fill(start, stop, rows)
+            out[:, i * d_ff : (i + 1) * d_ff].copy_(rows)
+    return fill
 
 
 def _write_table(fill, spec: TensorSpec, producer: Table | TableGroup, table_format: TableFormat, width: int,

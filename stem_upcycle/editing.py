@@ -31,7 +31,7 @@ from .errors import UserError
 from .facts import complete
 from .loading import model_from_source, stem_layers_of, stem_tables
 from .modeling.forward_ids import RowEdit
-from .modeling.table_files import TableFile
+from .modeling.table_files import StoredTable
 from .source import open_source
 
 MODES = {
@@ -383,11 +383,14 @@ def revert_edit(model, changes: dict) -> None:
         model.set_stem_table_parts(layer, ids, old)
 
 
-def _write_rows(path: Path, table: TableFile, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write the stored rows `rows` [n, ...] of one part of a table at `ids` [n], into the file at `path`."""
+def _write_rows(path: Path, table: StoredTable, part: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write the stored rows `rows` [n, ...] of one part of a table at `ids` [n], into the file at `path`;
+    a table stored in a group of layers (`config.stem_table_groups`) has its columns of the group's rows."""
+    where = table.parts[part]
+    first = (table.columns or (0,))[0] * where.dtype.itemsize  # bytes before this table's, in a stored row
     with open(path, "r+b") as f:
-        for token, row in zip(ids.tolist(), rows.to(table.dtype)):
-            f.seek(table.offset + token * table.row_bytes)
+        for token, row in zip(ids.tolist(), rows.to(where.dtype)):
+            f.seek(where.offset + token * where.row_bytes + first)
             f.write(row.contiguous().view(torch.uint8).numpy().tobytes())
 
 
@@ -415,9 +418,6 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
     byte without `model_dir`. Nothing appears at `out_dir` unless all of it was written."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("stem_table_groups"):  # the edit's records and its undo address one table's rows
-        raise EditError(f"{model_dir} stores its tables in groups of layers; edit a copy with a tensor per table "
-                        f"(`stem-upcycle compress {model_dir} OUT --layer-groups 1`), or edit at run time (--prompt)")
     check_output(out_dir, model_dir)
     placed = stem_tables(open_source(str(model_dir)), plan.layers)
     tables = placed.stored
@@ -431,8 +431,7 @@ def write_edited_model(model_dir, out_dir, plan: EditPlan, tokenizer, command: s
                                                     Path(s).parent == model_dir else _link_or_copy)(s, d))
         for layer, (ids, _, new) in changes.items():
             for part, rows in new.items():
-                where = tables[layer].parts[part]
-                _write_rows(work / Path(where.path).name, where, ids, rows)
+                _write_rows(work / Path(tables[layer].parts[part].path).name, tables[layer], part, ids, rows)
         records.append(_record_edit(work, config, plan, changes, tables, tokenizer, command))
 
     write_staged(out_dir, write)
@@ -518,7 +517,7 @@ def undo_edits(model_dir, out_dir=None) -> int:
                             touched[name] = staged.enter_context(staged_file(target / name))
                             shutil.copyfile(model_dir / name, touched[name])
                         part = part or "weight"
-                        _write_rows(touched[name], tables[int(layer)].parts[part], f.get_tensor(f"{layer}.ids"),
+                        _write_rows(touched[name], tables[int(layer)], part, f.get_tensor(f"{layer}.ids"),
                                     f.get_tensor(_record_keys(layer, part)[0]))
         with safe_open(records[0], "pt") as f:  # config and card as they were before the first edit
             for name in ("config.json", "README.md"):

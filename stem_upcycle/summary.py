@@ -76,13 +76,6 @@ def placement_memory(dense_bytes: int, table_bytes: int, row_bytes: int) -> dict
     }
 
 
-def _placements(config, dense_bytes: int, table_bytes: int, row_bytes: int) -> dict:
-    placements = placement_memory(dense_bytes, table_bytes, row_bytes)
-    if getattr(config, "stem_table_groups", None):  # grouped tables: read from the files alone
-        return {"mmap": placements["mmap"]}
-    return placements
-
-
 def summarize(source: Source) -> Summary:
     cfg = source.config
     is_stem = cfg.model_type == "stem"
@@ -120,7 +113,7 @@ def summarize(source: Source) -> Summary:
         ffn_flops_per_token_dense=dense_flops,
         ffn_flops_per_token=flops,
         bytes_on_disk=source.files_bytes,
-        placements=_placements(cfg, dense_bytes, table_bytes, row_bytes) if is_stem else {},
+        placements=placement_memory(dense_bytes, table_bytes, row_bytes) if is_stem else {},
         table_format=_table_format(cfg, tensors, tables) if is_stem else "",
         edits=list(getattr(cfg, "stem_edits", None) or []),
     )

@@ -28,10 +28,12 @@ def test_llama_32_1b_plan_has_the_expected_tables_sizes_and_index(llama_1b_sourc
     plan = plan_conversion(llama_1b_source, layers="1::2", first_token=first_token)
     assert plan.layers == [1, 3, 5, 7, 9, 11, 13, 15]
     assert plan.dtype == torch.bfloat16
+    # a table is 1.05B parameters, 2.1 GB: two side by side (`config.stem_table_groups`) fill a 5 GB shard
+    assert plan.config.stem_table_groups == [[1, 3], [5, 7], [9, 11], [13, 15]]
     tables = plan.table_specs
-    assert [t.name for t in tables] == [f"model.layers.{i}.mlp.up_table.weight" for i in plan.layers]
-    assert all(t.shape == (128256, 8192) and t.dtype == torch.bfloat16 for t in tables)
-    assert tables[0].nbytes == 128256 * 8192 * 2 == 2_101_346_304  # 1.05B parameters, 2.1 GB
+    assert [t.name for t in tables] == [f"model.stem_table_groups.{k}.weight" for k in range(4)]
+    assert all(t.shape == (128256, 2 * 8192) and t.dtype == torch.bfloat16 for t in tables)
+    assert tables[0].nbytes == 2 * 128256 * 8192 * 2 == 2 * 2_101_346_304
     dense_params = 1_235_814_400  # Llama-3.2-1B with the tied head counted once
     up_params = 8 * 8192 * 2048 if first_token == "table" else 0  # kept for the first token: 1.6% of a table
     assert plan.total_bytes == 2 * (dense_params - up_params + 8 * 128256 * 8192)
@@ -40,8 +42,13 @@ def test_llama_32_1b_plan_has_the_expected_tables_sizes_and_index(llama_1b_sourc
     assert len(index["weight_map"]) == len(plan.specs) and "lm_head.weight" not in index["weight_map"]
     kept = [n for n in index["weight_map"] if "up_proj" in n and any(f"layers.{i}." in n for i in plan.layers)]
     assert len(kept) == (8 if first_token == "dense" else 0)
-    for shard in plan.shards:  # 5 GB shards: two tables fit, a third does not
+    for shard in plan.shards:  # 5 GB shards: a group of two tables fits
         assert sum(s.nbytes for s in shard) <= 5_000_000_000
+    assert plan_conversion(llama_1b_source, layers="1::2", max_shard_size="10GB").config.stem_table_groups == [
+        [1, 3, 5, 7], [9, 11, 13, 15]]  # four in 10 GB shards
+    per_table = plan_conversion(llama_1b_source, layers="1::2", first_token=first_token, layer_groups=1)
+    assert [t.name for t in per_table.table_specs] == [f"model.layers.{i}.mlp.up_table.weight" for i in plan.layers]
+    assert per_table.config.stem_table_groups is None and per_table.total_bytes == plan.total_bytes
     assert plan.ram_estimate() < 6e9
     assert plan.config.stem_layers == plan.layers and plan.config.vocab_size == 128256
 

@@ -80,9 +80,35 @@ def test_grouped_tables_hold_each_layers_rows_side_by_side_and_give_the_same_log
     result = run("inspect", grouped)
     assert result.exit_code == 0 and "float32, 2 groups of layers side by side" in result.output, result.output
     placements = [line.split()[0] for line in result.output.splitlines() if line.startswith("  ")]
-    assert placements == ["mmap"], result.output  # the one placement that reads them
+    assert placements == ["memory", "mmap", "host"], result.output  # every placement reads them
     result = run("inspect", grouped, "--tables", "--layer", "1", "--sample", "32")
     assert result.exit_code == 0, result.output
+
+
+def test_convert_stores_tables_in_groups_by_default_holding_the_rows_of_a_tensor_per_table(dense_dir, tmp_path, ids):
+    _, dense = dense_dir("llama")
+    out = {}
+    for name, args in {"default": [], "per-table": ["--layer-groups", 1], "twos": ["--layer-groups", 2]}.items():
+        out[name] = tmp_path / name
+        result = run("convert", dense, out[name], "--layers", "all", "--init", "closed-form", "--quiet", *args)
+        assert result.exit_code == 0, result.output
+    groups = {name: json.loads((path / "config.json").read_text())["stem_table_groups"] for name, path in out.items()}
+    assert groups == {"default": [[0, 1, 2]], "per-table": None, "twos": [[0, 1], [2]]}
+    assert "--layer-groups 3" in (out["default"] / "README.md").read_text()  # the command as run
+    per_table, grouped = tensors(out["per-table"]), tensors(out["default"])
+    assert not any("up_table" in n for n in grouped)
+    for layer in (0, 1, 2):
+        assert torch.equal(grouped["model.stem_table_groups.0.weight"][:, layer * D_FF : (layer + 1) * D_FF],
+                           per_table[f"model.layers.{layer}.mlp.up_table.weight"])
+    with torch.no_grad():
+        expected = load(out["per-table"], "memory")(ids).logits
+        for path in (out["default"], out["twos"]):
+            torch.testing.assert_close(load(path)(ids).logits, expected, rtol=0, atol=0)
+    # a group larger than a shard is not the default: a tensor per table where one table fills a shard
+    result = run("convert", dense, tmp_path / "small", "--layers", "all", "--max-shard-size", "30KB", "--dry-run")
+    assert result.exit_code == 0 and "a tensor per table" in result.output, result.output
+    result = run("convert", dense, tmp_path / "bad", "--layer-groups", 2, "--table-dtype", "int8", "--table-block", 16)
+    assert result.exit_code == 1 and "give a float --table-dtype" in result.output and not (tmp_path / "bad").exists()
 
 
 def test_a_forward_reads_and_advises_each_groups_rows_once(layer_major, grouped, monkeypatch):
@@ -153,21 +179,69 @@ def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_what_reads_a_table_per_layer_refuses_grouped_tables_in_one_line(grouped, tmp_path, host_on_cpu):
+def test_memory_and_host_read_grouped_tables_as_a_parameter_or_host_table_per_layer(layer_major, grouped, tmp_path,
+                                                                                     ids, host_on_cpu):
+    with torch.no_grad():
+        expected = load(layer_major, "memory")(ids).logits
+        for placement in ("memory", "host"):
+            model = load(grouped, placement)
+            assert model.stem_tables == placement
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
+    # memory: a parameter per table, saved a tensor per table, as the model holds them
+    model = load(grouped, "memory")
+    assert model.config.stem_table_groups is None
+    model.save_pretrained(tmp_path / "saved")
+    saved, before = tensors(tmp_path / "saved"), tensors(layer_major)
+    assert not any("stem_table_groups" in n for n in saved)
+    for layer in (0, 1, 2):
+        name = f"model.layers.{layer}.mlp.up_table.weight"
+        assert torch.equal(saved[name], before[name])
+    assert not json.loads((tmp_path / "saved" / "config.json").read_text()).get("stem_table_groups")
+    # host: a group's tensor read once; each layer's table a view of its columns, written through by an edit
+    host = load(grouped, "host").stem_placement
+    assert host.tables[0]["weight"].untyped_storage().data_ptr() == host.tables[1]["weight"].untyped_storage().data_ptr()
+    host.set_rows(1, torch.tensor([5]), torch.ones(1, D_FF))
+    assert torch.equal(host.read_rows(1, torch.tensor([5, 6]))[0], torch.ones(D_FF))
+    assert torch.equal(host.read_rows(0, torch.tensor([5])), before["model.layers.0.mlp.up_table.weight"][5:6])
+
+
+def test_a_persistent_edit_of_grouped_tables_writes_the_rows_a_layer_major_edit_writes_and_undoes_exactly(
+        layer_major, grouped, tmp_path):
+    rows = {}
+    for path in (layer_major, grouped):
+        out = tmp_path / f"edited-{path.name}"
+        result = run("edit", path, "--swap", "w5=w9", "--output", out)
+        assert result.exit_code == 0, result.output
+        model = load(out)
+        rows[path] = [model.stem_table_rows(layer, torch.arange(VOCAB)) for layer in (0, 1, 2)]
+        assert not torch.equal(rows[path][1], load(path).stem_table_rows(1, torch.arange(VOCAB)))
+        undone = tmp_path / f"undone-{path.name}"
+        assert run("edit", out, "--undo", "--output", undone).exit_code == 0
+        assert digest(undone) == digest(path)  # byte for byte
+    for a, b in zip(rows[layer_major], rows[grouped]):
+        assert torch.equal(a, b)
+
+
+def digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_compressing_grouped_tables_stores_a_tensor_per_table_and_bad_groupings_fail_in_one_line(grouped, tmp_path):
     from stem_upcycle.modeling.table_files import StemTablesError
 
-    for placement in ("memory", "host"):
-        with pytest.raises(StemTablesError, match="only stem_tables='mmap' reads; load it with") as err:
-            load(grouped, placement)
-        assert "\n" not in str(err.value)
+    int8 = tmp_path / "int8"
+    result = run("compress", grouped, int8, "--table-dtype", "int8", "--table-block", 16, "--quiet")
+    assert result.exit_code == 0 and "2 groups of up to 2 layers side by side -> a tensor per table" in result.output
+    config = json.loads((int8 / "config.json").read_text())
+    assert not config.get("stem_table_groups") and config["stem_table_format"]["dtype"] == "int8"
+    assert {n for n in tensors(int8) if "up_table" in n} == {
+        f"model.layers.{i}.mlp.up_table.{p}" for i in (0, 1, 2) for p in ("qweight", "scales")}
     model = load(grouped)
     for call in (lambda: model.save_pretrained(tmp_path / "saved"), lambda: model.model.layers[1].mlp.up_table.weight):
-        with pytest.raises(StemTablesError, match="--layer-groups 1`\\) and load that with stem_tables='memory'"):
+        with pytest.raises(StemTablesError, match="load the model with stem_tables='memory'"):
             call()
     before, out = digest(grouped), tmp_path / "out"
     cases = [
-        (["edit", grouped, "--swap", "w5=w9", "--output", out], "edit a copy with a tensor per table"),
-        (["compress", grouped, out, "--table-dtype", "int8", "--table-block", 16], "add --layer-groups 1"),
         (["compress", grouped, out, "--layer-groups", 2, "--table-dtype", "int8", "--table-block", 16],
          "give a float --table-dtype"),
         (["compress", grouped, out, "--layer-groups", 2], "already float32, stored as 2 groups"),
@@ -177,10 +251,6 @@ def test_what_reads_a_table_per_layer_refuses_grouped_tables_in_one_line(grouped
         result = run(*args)
         assert result.exit_code != 0 and message in result.output, (args, result.output)
         assert "Traceback" not in result.output and not out.exists()
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model:\n  source: {grouped}\n  init_from: {grouped}\ndata:\n  train: [{grouped / 'config.json'}]\n")
-    result = run("train", recipe, "--output", tmp_path / "t")
-    assert result.exit_code == 1 and "--layer-groups 1`) and train OUT" in result.output, result.output
     assert digest(grouped) == before
 
 
@@ -197,17 +267,20 @@ def test_grouped_tables_load_through_remote_code_alone(layer_major, grouped, tmp
             assert type(model).__module__.startswith("transformers_modules") and model.stem_tables == "mmap"
             with torch.no_grad():
                 torch.testing.assert_close(model(data["ids"]).logits, data["logits"], rtol=0, atol=0)
-        try:
-            AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, stem_tables="memory")
-        except ValueError as err:
-            assert "only stem_tables='mmap' reads" in str(err), err
-        else:
-            raise AssertionError("memory loaded grouped tables")
+        memory = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, stem_tables="memory").eval()
+        assert memory.stem_tables == "memory"
+        with torch.no_grad():
+            torch.testing.assert_close(memory(data["ids"]).logits, data["logits"], rtol=0, atol=0)
         # vLLM builds the model from its config under a meta-device context; the rows come from the files
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
         with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, trust_remote_code=True),
-                                                     trust_remote_code=True)
+            built = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
         assert torch.equal(built.stem_table_rows(1, torch.arange(16)), model.stem_table_rows(1, torch.arange(16)))
+        config.stem_tables = "memory"  # held as read: a loader that fills parameters by name finds no table's
+        with torch.device("meta"):
+            held = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+        assert held.stem_tables == "memory" and not any("up_table" in n for n in held.state_dict())
+        assert torch.equal(held.stem_table_rows(1, torch.arange(16)), model.stem_table_rows(1, torch.arange(16)))
     """, grouped, tmp_path / "data.pt")
 
 

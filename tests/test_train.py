@@ -87,6 +87,7 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
             return [(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]
     assert layout(out) == layout(workspace / "stem")
     assert any("layers.0.mlp.up_proj" in name for name, _, _ in layout(out))
+    assert ("model.stem_table_groups.0.weight", [VOCAB, 2 * 48], "F32") in layout(out)  # layers 0 and 2 side by side
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     ids = trainer.heldout["heldout"][:2, :-1]
     for table in trainer.tables.values():
@@ -359,7 +360,7 @@ def test_two_processes_split_the_calibration_of_the_conversion(workspace):
     assert run.returncode == 0, _failure(run)
     assert "read by 2 processes" in run.stderr
     a, b = (safe_open(str(next((workspace / r / "init").glob("*.safetensors"))), "pt") for r in ("one", "two"))
-    for name in ("model.layers.0.mlp.up_table.weight", "model.layers.2.mlp.up_table.weight"):
+    for name in ("model.stem_table_groups.0.weight",):  # layers 0 and 2, side by side
         torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
 
 

@@ -69,15 +69,19 @@ def test_offline_batched_greedy_text_equals_transformers(converted, tables):
     assert vllm_greedy(path, tables) == expected
 
 
-def test_tables_in_groups_of_layers_serve_the_same_greedy_text(converted):
-    """`compress --layer-groups`: the same rows, read a group at a time from the files (the default placement)."""
+@pytest.mark.parametrize("tables", [None, "memory"])
+def test_tables_a_tensor_per_table_serve_the_same_greedy_text(converted, tables):
+    """The converted tables lie in one group of layers (`config.stem_table_groups`, convert's default); stored a
+    tensor per table (`compress --layer-groups 1`), vLLM loads them as parameters by name, or reads them per layer."""
     from stem_upcycle.cli import main
 
     path, expected, _ = converted
-    out = path.parent / "grouped"
-    result = CliRunner().invoke(main, ["compress", str(path), str(out), "--layer-groups", "2", "--quiet"])
-    assert result.exit_code == 0, result.output
-    assert vllm_greedy(out, None) == expected
+    assert json.loads((path / "config.json").read_text())["stem_table_groups"] == [[0, 15, 21]]
+    out = path.parent / "per-table"
+    if not out.exists():
+        result = CliRunner().invoke(main, ["compress", str(path), str(out), "--layer-groups", "1", "--quiet"])
+        assert result.exit_code == 0, result.output
+    assert vllm_greedy(out, tables) == expected
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ class StemConfig(PretrainedConfig):
         stem_table_groups: STEM layers whose tables are stored side by side, a list of lists of layers:
             a token's rows of a group's layers lie next to each other, in one tensor
             `model.stem_table_groups.K.weight` [vocab, len(group) x intermediate_size], so that a
-            forward reads them in one read, not one per layer (`stem-upcycle compress --layer-groups`);
-            only the "mmap" placement reads them. None: each table its own tensor.
+            forward reads them in one read, not one per layer (`stem-upcycle convert --layer-groups`, 5 by
+            default); "memory" and "host" read each layer's columns. None: each table its own tensor.
     """
 
     model_type = "stem"

@@ -29,7 +29,7 @@ import transformers
 
 from .configuration_stem import StemConfig
 from .forward_ids import IdHandoff, RowEdit, cached_length, check_ids, first_tokens
-from .stem_tables import MappedLinear, PlacedTable, open_tables
+from .stem_tables import MappedLinear, PlacedTable, fill_tables, grouped_tables, open_tables
 from .table_files import TABLE_GROUP_PREFIX, StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
@@ -153,14 +153,21 @@ def placement_of_config(config):
     (tables in memory, as parameters), unless `config.stem_tables` asks for mmap or host; then the tables
     are read from the checkpoint the config was loaded from (`config._name_or_path`, a local folder), as
     `from_pretrained` would. With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
-    if (config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None
-            and not getattr(config, "stem_table_groups", None)):  # grouped tables are read by mmap alone
+    grouped = bool(getattr(config, "stem_table_groups", None))
+    if config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None and not grouped:
         return None
     if not os.path.isdir(config._name_or_path or ""):
         raise StemTablesError(f"stem_tables={config.stem_tables!r} in a model built from its config reads the tables "
                               f"of the checkpoint the config came from, and {config._name_or_path!r} is no local "
                               f"folder; load the config from the checkpoint's folder")
-    return open_tables(config._name_or_path, config, {})
+    # Grouped tables in memory: held as read (`HeldTables`), since the loader (vLLM's) fills parameters by
+    # name and a group's tensor names none
+    return open_tables(config._name_or_path, config, {}, parameters=False)
+
+
+def _with_pattern(patterns, pattern: str):
+    """Transformers' `_keys_to_ignore_on_load_*` (a set in recent versions, a list or None before) and `pattern`."""
+    return patterns | {pattern} if isinstance(patterns, set) else [*(patterns or []), pattern]
 
 
 class _StemDispatch:
@@ -214,11 +221,22 @@ class _StemDispatch:
                 setattr(config, key, kwargs.pop(key))
         cls = cls.family_class(config.dense_model_type)
         _loading.placement = open_tables(pretrained_model_name_or_path, config, hub_kwargs)
+        # Tables stored in groups of layers, loaded as parameters: a table per layer, filled from the groups'
+        # tensors once the rest is loaded; the model (and what save_pretrained writes) has a tensor per table.
+        _loading.groups = grouped_tables(pretrained_model_name_or_path, config, hub_kwargs
+                                         ) if _loading.placement is None else None
+        if _loading.groups:
+            config.stem_table_groups = None
         try:
-            return super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
-                                                             **kwargs)
+            loaded = super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
+                                                               **kwargs)
+            if _loading.groups:
+                model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info): output_loading_info
+                fill_tables({i: model.base_model.layers[i].mlp.up_table.weight for i in _loading.groups},
+                            _loading.groups)
+            return loaded
         finally:
-            del _loading.placement
+            del _loading.placement, _loading.groups
 
     @classmethod
     def _from_config(cls, config, **kwargs):
@@ -245,15 +263,19 @@ class _StemDispatch:
             base.register_forward_pre_hook(_start_forward, with_kwargs=True)
             base.register_forward_hook(_end_forward, with_kwargs=True)
         super().post_init()
-        if placement is not None:  # the tables in the checkpoint are not this model's parameters
-            ignored = self._keys_to_ignore_on_load_unexpected  # a set in recent Transformers, a list or None before
+        groups = getattr(_loading, "groups", None) if loading else None
+        if placement is not None or groups:  # the tables in the checkpoint are not this model's parameters
             table = rf"mlp\.up_table\.(weight|qweight|scales)|{TABLE_GROUP_PREFIX}\.\d+\.weight"
             if getattr(placement, "first_token_up", None):  # and nor are the up-projections left in the files;
                 # vLLM skips the keys these patterns match (Transformers only keeps quiet about them), so no
                 # dense layer's up_proj may match
                 table += rf"|layers\.({'|'.join(map(str, placement.first_token_up))})\.mlp\.up_proj\.(weight|bias)"
-            self._keys_to_ignore_on_load_unexpected = (ignored | {table} if isinstance(ignored, set)
-                                                        else [*(ignored or []), table])
+            self._keys_to_ignore_on_load_unexpected = _with_pattern(self._keys_to_ignore_on_load_unexpected, table)
+        if groups:  # the parameters that `from_pretrained` fills from the groups' tensors, once loaded
+            self._keys_to_ignore_on_load_missing = _with_pattern(self._keys_to_ignore_on_load_missing,
+                                                                 r"mlp\.up_table\.weight")
+            for index in self.config.stem_layers:
+                base.layers[index].mlp.up_table._is_hf_initialized = True  # no random init to overwrite
 
     @property
     def stem_placement(self):

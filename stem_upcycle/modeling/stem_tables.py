@@ -1,7 +1,9 @@
 """Where a STEM model's tables live at inference, chosen at load time: `from_pretrained(..., stem_tables=...)`.
 
-- "memory": tables are ordinary parameters (`nn.Embedding`), as training needs them; compressed
-  tables (int8, fp8, int4: `table_format.py`) are held whole as stored and decoded row by row.
+- "memory": tables are ordinary parameters (`nn.Embedding`), as training needs them (tables stored
+  in groups of layers, `config.stem_table_groups`, are copied a layer's columns into each at load:
+  `fill_tables`); compressed tables (int8, fp8, int4: `table_format.py`) are held whole as stored
+  and decoded row by row.
 - "mmap": tables stay in the safetensors shards (read-only); each forward reads the rows of its
   distinct ids, decoded and cast to the compute dtype as they are gathered. Nothing reads a whole table.
 - "host": for accelerators: tables in host memory, a row cache on the device
@@ -123,9 +125,6 @@ class RowAccess:
 
     def parameters_advice(self) -> str:
         """How to have these tables as parameters, which training, resizing and saving need."""
-        if any(t.columns is not None for t in self.stored.values()):
-            return ("its tables are stored in groups of layers: store them a tensor per table (`stem-upcycle "
-                    "compress MODEL OUT --layer-groups 1`) and load that with stem_tables='memory'")
         compressed = next((t.format.dtype for t in self.stored.values() if t.format.compressed), None)
         if compressed is None:
             return "load the model with stem_tables='memory'"
@@ -359,18 +358,19 @@ class RowPrefetch:
         wait(reads)
 
 
-class CompressedMemoryTables(RowAccess):
-    """`memory` for compressed tables: their stored parts held whole, where the STEM MLPs' weights are
-    (they follow the weights to a device at the next forward). Each forward gathers its ids' parts and
-    decodes those rows alone. Float tables in memory are parameters instead (`MemoryTable`), which
-    training needs; compressed ones are not trained (see `train`)."""
+class HeldTables(RowAccess):
+    """`memory` for tables that are not parameters: their stored parts held whole, where the STEM MLPs'
+    weights are (they follow the weights to a device at the next forward). Each forward gathers its ids'
+    parts and decodes those rows alone. Compressed tables are held so (they are not trained: see
+    `train`), and float tables stored in groups of layers in a model built from its config (vLLM), whose
+    loader fills parameters by name and finds none for a group's tensor. Float tables in memory are
+    otherwise parameters (`MemoryTable`), which training needs."""
 
     name = "memory"
 
     def __init__(self, stored: dict[int, StoredTable]):
         self.stored = stored
-        self.tables = {layer: {name: read_whole(where) for name, where in table.parts.items()}
-                       for layer, table in stored.items()}
+        self.tables = read_tables(stored)
         self.mlps = {}  # layer -> its StemMLP (set by the model)
 
     def read_parts(self, layer: int, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -418,8 +418,7 @@ class HostTables(RowAccess):
         self.stored = stored
         # Pageable: the device never reads a table, only rows the host gathers into page-locked staging (`_gather`);
         # registering whole tables page-locked (GBs each) would lock RAM for nothing.
-        self.tables = {layer: {name: read_whole(where) for name, where in table.parts.items()}
-                       for layer, table in stored.items()}
+        self.tables = read_tables(stored)
         self.mlps = {}  # layer -> its StemMLP, whose weights say device and dtype (set by the model)
         vocab = next(iter(stored.values())).shape[0]
         self.capacity = int(cache_rows)
@@ -581,6 +580,18 @@ class HostTables(RowAccess):
 
 
 
+def read_tables(stored: dict[int, StoredTable]) -> dict[int, dict[str, torch.Tensor]]:
+    """Per layer, its table's stored parts read whole into host memory; a group's tensor
+    (`config.stem_table_groups`) once, each of its layers' tables a view of its columns."""
+    read, tables = {}, {}  # TableFile -> the tensor read; layer -> {part: its rows}
+    for layer, table in stored.items():
+        for where in table.parts.values():
+            if where not in read:
+                read[where] = read_whole(where)
+        tables[layer] = table.own({name: read[where] for name, where in table.parts.items()})
+    return tables
+
+
 def _home(mlp) -> tuple[torch.device, torch.dtype]:
     """Where a STEM MLP's rows are cached, and in which dtype: those of its weights (the CPU where
     accelerate keeps an offloaded layer's weights on the meta device)."""
@@ -602,18 +613,16 @@ def _gather(source: torch.Tensor, ids: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.index_select(source, 0, ids, out=out)
 
 
-def open_tables(path, config, hub_kwargs: dict):
+def open_tables(path, config, hub_kwargs: dict, parameters: bool = True):
     """The placement of `config.stem_tables` for the checkpoint at `path` (a directory or a hub id
-    already downloaded), its table files checked; None for float tables in `memory` (parameters)."""
+    already downloaded), its table files checked; None for float tables in `memory` (parameters), but
+    for grouped ones without `parameters` (a model built from its config: `HeldTables`)."""
     requested = config.stem_tables or "auto"
     if requested not in (*PLACEMENTS, "auto"):
         raise StemTablesError(f"stem_tables={requested!r} is not a placement; use one of {', '.join(PLACEMENTS)}")
     table_format = TableFormat.from_config(config)
-    if getattr(config, "stem_table_groups", None) and config.stem_layers and requested not in ("mmap", "auto"):
-        raise StemTablesError("this model's tables are stored in groups of layers (config.stem_table_groups), which "
-                              "only stem_tables='mmap' reads; load it with stem_tables='mmap', or store them one "
-                              "per layer: `stem-upcycle compress MODEL OUT --layer-groups 1`")
-    if not config.stem_layers or (requested == "memory" and table_format is None):
+    grouped = bool(getattr(config, "stem_table_groups", None))
+    if not config.stem_layers or (requested == "memory" and table_format is None and (parameters or not grouped)):
         return None
     files = checkpoint_files(path, hub_kwargs)
     if files is None:
@@ -634,6 +643,39 @@ def open_tables(path, config, hub_kwargs: dict):
                     if config.stem_mlp_bias else None)
             for layer in config.stem_layers})
     return placement
+
+
+def grouped_tables(path, config, hub_kwargs: dict) -> dict[int, StoredTable] | None:
+    """Per STEM layer, where its table lies in its group's tensor, for a checkpoint whose tables are
+    stored in groups of layers (`config.stem_table_groups`); None for one with a tensor per table."""
+    if not (getattr(config, "stem_table_groups", None) and config.stem_layers):
+        return None
+    files = checkpoint_files(path, hub_kwargs)
+    if files is None:
+        raise StemTablesError(f"{path} has no safetensors files, where its tables should be (config.stem_table_groups); "
+                              f"download or export it again")
+    return locate_stem_tables(files, config, config.stem_layers)
+
+
+@torch.no_grad()
+def fill_tables(weights: dict[int, torch.Tensor], stored: dict[int, StoredTable], chunk_bytes: int = 64 << 20) -> None:
+    """Copy each layer's table from the files into `weights` [vocab, d_ff] (parameters; any dtype or device):
+    a group's tensor is read once, `chunk_bytes` of its rows at a time, each layer taking its columns."""
+    groups = {}  # TableFile -> the layers whose tables it holds
+    for layer, table in stored.items():
+        groups.setdefault(table.parts["weight"], []).append(layer)
+    for where, layers in groups.items():
+        step = max(1, chunk_bytes // where.row_bytes)
+        fd = os.open(where.path, os.O_RDONLY)
+        try:
+            for start in range(0, where.shape[0], step):
+                stop = min(start + step, where.shape[0])
+                rows = torch.empty(stop - start, where.shape[1], dtype=where.dtype, device="cpu")
+                read_rows(fd, where, torch.arange(start, stop, device="cpu"), rows)
+                for layer in layers:
+                    weights[layer][start:stop].copy_(stored[layer].own({"weight": rows})["weight"])
+        finally:
+            os.close(fd)
 
 
 def locate_stem_tables(files: dict[str, str], config, layers, headers: dict | None = None) -> dict[int, StoredTable]:
@@ -666,8 +708,8 @@ def table_names(files: dict[str, str], layers) -> dict[int, str]:
 def open_placement(name: str, stored: dict[int, StoredTable], cache_rows: int):
     if name == "mmap":
         return MmapTables(stored)
-    if name == "memory":  # compressed tables (float ones in memory are parameters)
-        return CompressedMemoryTables(stored)
+    if name == "memory":  # compressed tables, or grouped ones in a model built from its config
+        return HeldTables(stored)
     if not accelerator_available():
         raise StemTablesError("stem_tables='host' keeps tables in host memory for an accelerator, and this machine "
                               "has none; use stem_tables='mmap' on a CPU")

@@ -12,13 +12,16 @@ import os
 import shutil
 from pathlib import Path
 
-from ..convert import resolve_dtype, tensor_order_key
+import torch
+
+from ..convert import resolve_dtype, table_group_name, tensor_order_key
 from ..families import STEM_TABLE, layer_name
 from ..atomic import staging_dir
 from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards
 from ..source import open_source
 
 MAX_SHARD_BYTES = 5 * 10**9  # convert's default --max-shard-size
+ROWS_PER_WRITE = 4096  # rows of a group of tables joined at once
 
 
 def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: dict, tokens_seen: int) -> Path:
@@ -29,7 +32,10 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
     that a bf16 model does not come back in the fp32 its training copy was converted to)."""
     init = open_source(str(init_dir))
     dtype = resolve_dtype(recipe.model.export_dtype, source)
-    tables = {layer_name(i, STEM_TABLE): t for i, t in tables.items()}
+    groups = {table_group_name(k): group for k, group in enumerate(getattr(init.config, "stem_table_groups", None) or [])}
+    by_layer, tables = tables, {layer_name(i, STEM_TABLE): t for i, t in tables.items()}
+    for name, group in groups.items():  # the tables of a group side by side, as `convert` stores them
+        tables[name] = GroupRows([by_layer[i] for i in group])
     specs = []
     for name in sorted(init.tensors.names(), key=tensor_order_key):
         value = tables.get(name, state.get(name))
@@ -42,7 +48,11 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
         writer = ShardWriter(staging, plan_shards(specs, MAX_SHARD_BYTES))
         for spec in specs:
             value = tables.get(spec.name, state.get(spec.name))
-            writer.write(spec.name, value.detach().to("cpu", spec.dtype))
+            if isinstance(value, GroupRows):
+                for start in range(0, value.shape[0], ROWS_PER_WRITE):
+                    writer.write(spec.name, value.rows(start, start + ROWS_PER_WRITE).to(spec.dtype))
+            else:
+                writer.write(spec.name, value.detach().to("cpu", spec.dtype))
         writer.close()
         for path in init.directory.iterdir():
             if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_NAME:
@@ -55,6 +65,18 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+class GroupRows:
+    """A group's tables [vocab, d_ff] each, read as one [vocab, len(tables) x d_ff] tensor a few rows at a
+    time: joined whole, a group of Llama-3.2-1B tables would take 21 GB at once."""
+
+    def __init__(self, tables: list[torch.Tensor]):
+        self.tables = tables
+        self.shape = (tables[0].shape[0], sum(t.shape[1] for t in tables))
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return torch.cat([t[start:stop].detach().cpu() for t in self.tables], dim=1)
 
 
 def _set_config_dtype(config: Path, dtype) -> None:

@@ -62,10 +62,6 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
             raise RecipeError(f"model.init_from {m.init_from} stores its tables as {stored['dtype']}, and training "
                               f"updates float rows: decompress it (`stem-upcycle compress {m.init_from} OUT "
                               f"--table-dtype float32`), train OUT, then compress the result")
-        if getattr(start.config, "stem_table_groups", None):  # the export writes a tensor per table, as convert does
-            raise RecipeError(f"model.init_from {m.init_from} stores its tables in groups of layers; store them a "
-                              f"tensor per table (`stem-upcycle compress {m.init_from} OUT --layer-groups 1`) and "
-                              f"train OUT")
         return Path(start.directory or m.init_from), None
     init_dir = output / "init"
     heldout = heldout_paths(recipe)
