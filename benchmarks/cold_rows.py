@@ -4,7 +4,7 @@
     python benchmarks/cold_rows.py                                   # SmolLM2-135M, a third and all layers
     python benchmarks/cold_rows.py --models llama1b --llama-layers 5 # the Llama-3.2-1B shape, random weights
     STEM_READ_THREADS=0 python benchmarks/cold_rows.py               # every row read in the forward's thread
-    python benchmarks/cold_rows.py --layer-groups 5                  # also each model's tables in groups of 5
+    python benchmarks/cold_rows.py --layer-groups 1                  # also each model with a tensor per table
 
 A server sees new prompts all the time, and the rows of a new prompt's ids are seldom in the page
 cache. Each setting (model, dtype) runs `--repeats` processes that load the dense parent and the
@@ -20,9 +20,11 @@ a process (load, a cold prompt, a decode), its high-water mark.
 Tables are placed with `mmap` (the default), whose reads `STEM_READ_THREADS` and
 `STEM_READ_AHEAD_LAYERS` tune. tok/s are medians over prompts and processes; ratios are medians of
 the per-prompt ratios. Models are made once under --work by benchmarks/inference.py's `prepare`
-(closed-form tables: row values do not change speed); with `--layer-groups G`, each STEM model is
-measured again with its tables stored in groups of G layers (`stem-upcycle compress --layer-groups G`,
-a token's rows of a group side by side: one read per group, not per layer).
+(closed-form tables: row values do not change speed; the tables in `convert`'s default groups of
+layers, a token's rows of a group side by side: one read per group, not per layer); with
+`--layer-groups G`, each STEM model is measured again with its tables stored in groups of G layers
+(`stem-upcycle compress --layer-groups G`; 1: a tensor per table, as `convert` stored them before
+groups were its default).
 """
 
 import argparse
@@ -163,7 +165,7 @@ def grouped(paths: dict[str, Path], group: int) -> dict[str, Path]:
         if not (out / "config.json").exists():
             print(f"storing {path}'s tables in groups of {group} layers into {out}", file=sys.stderr, flush=True)
             run_compression(plan_compression(open_source(str(path)), None, layer_groups=group), out, overwrite=True)
-        made[f"{variant}, groups of {group}"] = out
+        made[f"{variant}, " + ("a tensor per table" if group == 1 else f"groups of {group}")] = out
     return made
 
 
@@ -178,7 +180,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=3, help="new prompts of each kind per process")
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per setting")
     parser.add_argument("--layer-groups", type=int, help="also measure each STEM model with its tables in groups of "
-                        "this many layers")
+                        "this many layers (1: a tensor per table)")
     parser.add_argument("--setting", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.setting:

@@ -13,7 +13,7 @@ n x L/G reads, and the first group's rows arrive before the later groups' are re
 
 This measures the reads alone, outside a forward, so that the layouts can be compared before one is
 built: for each layout, the rows of ids 0-19999 of every table of `cold_rows.py`'s all-layers model
-are copied into a scratch file under --work (G = 1 is the checkpoint itself), synced and dropped
+are copied into a scratch file under --work (G = 1 too: a tensor per table), synced and dropped
 from the page cache. Then, for each of `--prompts` new prompts of 512 random ids in 100-19999 (as
 cold_rows.py draws them; the worst case), each layout in turn (the order rotated per prompt, so a
 shared machine's drift falls on all alike): the page cache dropped, every group's reads advised at
@@ -42,44 +42,30 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cold_rows import PROMPT_TOKENS, load, prefill  # noqa: E402
 from inference import machine, prepare  # noqa: E402
 from stem_upcycle.modeling.stem_tables import READ_THREADS  # noqa: E402
-from stem_upcycle.modeling.table_files import (TableFile, advise_rows, checkpoint_files, locate_tables,  # noqa: E402
-                                               read_header, read_rows)
+from stem_upcycle.loading import stem_tables  # noqa: E402
+from stem_upcycle.modeling.table_files import TableFile, advise_rows, read_rows  # noqa: E402
+from stem_upcycle.source import open_source  # noqa: E402
 
 ROWS = 20000  # the prompts' ids are drawn below this
 COPY_ROWS = 2048  # rows per layer copied at a time into a layout's scratch file
 
 
-def checkpoint_tables(path: Path) -> list[TableFile]:
-    """The STEM model's float tables, in the order the forward runs its layers."""
-    files = checkpoint_files(str(path), {})
-    prefixes = {int(name.split(".layers.")[1].split(".")[0]): name.removesuffix(".weight")
-                for name in files if name.endswith(".mlp.up_table.weight")}
-    some = f"{next(iter(prefixes.values()))}.weight"
-    shape = tuple(read_header(files[some])[0][some]["shape"])  # [vocab, d_ff]
-    return [table.parts["weight"] for _, table in sorted(locate_tables(files, prefixes, shape).items())]
-
-
-def write_layout(tables: list[TableFile], group: int, path: Path) -> list[TableFile]:
-    """Rows 0..ROWS-1 of `tables` into `path`, `group` layers' rows of each token side by side; the groups
-    as tables of [ROWS, group x d_ff] rows. The file is synced so that dropping it from the page cache works."""
-    groups, offset = [], 0
+def write_layout(placed, group: int, path: Path) -> list[TableFile]:
+    """Rows 0..ROWS-1 of the tables of `placed` (the checkpoint's, `MmapTables`) into `path`, `group` layers'
+    rows of each token side by side; the groups as tables of [ROWS, group x d_ff] rows. The file is synced so
+    that dropping it from the page cache works."""
+    layers, groups, offset = sorted(placed.stored), [], 0
     with open(path, "wb") as out:
-        for first in range(0, len(tables), group):
-            members = tables[first : first + group]
-            fds = [os.open(table.path, os.O_RDONLY) for table in members]
-            try:
-                for begin in range(0, ROWS, COPY_ROWS):
-                    ids = torch.arange(begin, min(begin + COPY_ROWS, ROWS))
-                    rows = [torch.empty(ids.numel(), t.shape[1], dtype=t.dtype) for t in members]
-                    for fd, table, into in zip(fds, members, rows):
-                        read_rows(fd, table, ids, into)
-                    out.write(torch.cat(rows, dim=1).view(torch.uint8).numpy().tobytes())
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            width = sum(t.shape[1] for t in members)
-            groups.append(TableFile(str(path), offset, (ROWS, width), members[0].dtype))
-            offset += ROWS * width * members[0].dtype.itemsize
+        for first in range(0, len(layers), group):
+            members = layers[first : first + group]
+            for begin in range(0, ROWS, COPY_ROWS):
+                stop = min(begin + COPY_ROWS, ROWS)
+                out.write(torch.cat([placed.read_range(layer, begin, stop) for layer in members], dim=1)
+                          .view(torch.uint8).numpy().tobytes())
+            table = placed.stored[members[0]]
+            width, dtype = len(members) * table.shape[1], table.float_dtype
+            groups.append(TableFile(str(path), offset, (ROWS, width), dtype))
+            offset += ROWS * width * dtype.itemsize
         out.flush()
         os.fsync(out.fileno())
     return groups
@@ -114,20 +100,21 @@ def read_all(groups: list[TableFile], fds: dict[str, int], ids: torch.Tensor, po
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default=str(ROOT / "runs" / "inference-bench"), help="where cold_rows.py makes its models")
-    parser.add_argument("--groups", default="1,5,10,30", help="layers per group, comma-separated (1: the checkpoint's "
-                        "own layer-major tables; the number of STEM layers: token-major)")
+    parser.add_argument("--groups", default="1,5,10,30", help="layers per group, comma-separated (1: layer-major, a "
+                        "tensor per table; the number of STEM layers: token-major)")
     parser.add_argument("--prompts", type=int, default=6, help="new prompts of 512 random ids")
     args = parser.parse_args()
     work = Path(args.work)
     paths = prepare(work, "smollm2", variants={"stem-all": "all"})
-    tables = checkpoint_tables(paths["stem-all"])
+    placed = stem_tables(open_source(str(paths["stem-all"])))
+    layers = len(placed.stored)
     scratch = work / "smollm2" / "row-layouts"
     scratch.mkdir(exist_ok=True)
     layouts = {}
     try:
         for group in [int(g) for g in args.groups.split(",")]:
-            name = "layer-major" if group == 1 else "token-major" if group >= len(tables) else f"groups of {group}"
-            layouts[name] = tables if group == 1 else write_layout(tables, group, scratch / f"g{group}.bin")
+            name = "layer-major" if group == 1 else "token-major" if group >= layers else f"groups of {group}"
+            layouts[name] = write_layout(placed, group, scratch / f"g{group}.bin")
         torch.set_num_threads(2)
         dense = load(str(paths["dense"]), "float32")
         ids = [torch.randint(100, ROWS, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(i)).unique()
@@ -148,7 +135,9 @@ def main():
                     results[name]["first"].append(first)
                     results[name]["all"].append(all_)
                     results[name]["warm"].append(read_all(groups, fds, prompt, pool)[1])
-        print(f"SmolLM2-135M, all {len(tables)} layers, {tables[0].dtype} rows of {tables[0].row_bytes} bytes: "
+        table = next(iter(placed.stored.values()))
+        print(f"SmolLM2-135M, all {layers} layers, {table.float_dtype} rows of "
+              f"{table.shape[1] * table.float_dtype.itemsize} bytes: "
               f"{machine()}; STEM_READ_THREADS={READ_THREADS}")
         print(f"{args.prompts} prompts of {PROMPT_TOKENS} random ids ({statistics.median(p.numel() for p in ids):.0f} "
               f"distinct); the dense parent's prefill of one: {dense_ms:.0f} ms")
