@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table, TableGroup, check_output,
                       chunk_rows, parse_shard_size, resolve_table_format, table_group_name, table_groups,
-                      table_layout, tensor_order_key, write_tensors)
+                      tensor_order_key, write_tensors)
 from .atomic import write_staged
 from .families import STEM_TABLE_PREFIX, layer_name
 from .loading import stem_tables
@@ -26,6 +26,7 @@ from .modeling.table_files import TABLE_GROUP_PREFIX
 from .modeling.table_format import TableFormat
 from .shards import INDEX_NAME, TensorSpec, plan_shards
 from .source import Source
+from .summary import table_layout
 
 
 @dataclass

@@ -29,6 +29,7 @@ from .modeling.table_format import TableFormat, TableFormatError
 from .atomic import write_staged
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
 from .source import DTYPES, TOKENIZER_FILES, Source
+from .summary import table_layout
 from .table_init import INITIALISERS, InitOptions, InitTarget
 from .table_init.layer_choice import auto_fraction, check_auto, is_auto, select_layers
 
@@ -293,14 +294,6 @@ def table_groups(layers: list[int], layer_groups: int, table_format: TableFormat
 def table_group_name(k: int) -> str:
     """The tensor of the `k`-th group of tables: `model.stem_table_groups.K.weight`."""
     return LAYER_PREFIX[: LAYER_PREFIX.index("layers.")] + f"{TABLE_GROUP_PREFIX}.{k}.weight"
-
-
-def table_layout(groups: list | None) -> str:
-    """How the tables lie in the files, in words."""
-    if not groups:
-        return "a tensor per table"
-    return (f"{len(groups)} group{'s' if len(groups) > 1 else ''} of up to {max(map(len, groups))} layers "
-            f"side by side")
 
 
 # Tensors that only quantized checkpoints hold: per-block or per-channel scales, packed integer weights.

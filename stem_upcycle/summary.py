@@ -126,5 +126,13 @@ def _table_format(config, tensors, tables: list[str]) -> str:
     if not tables:
         return "none stored"
     groups = getattr(config, "stem_table_groups", None)
-    layout = f", {len(groups)} groups of layers side by side" if groups else ""
-    return str(tensors.dtype(tables[0])).removeprefix("torch.") + layout
+    return str(tensors.dtype(tables[0])).removeprefix("torch.") + (f", {table_layout(groups)}" if groups else "")
+
+
+def table_layout(groups: list | None) -> str:
+    """How the tables lie in the files, in words."""
+    if not groups:
+        return "a tensor per table"
+    return (f"{len(groups)} group{'s' if len(groups) > 1 else ''} of up to {max(map(len, groups))} layers "
+            f"side by side")
+

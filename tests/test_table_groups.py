@@ -78,7 +78,7 @@ def test_grouped_tables_hold_each_layers_rows_side_by_side_and_give_the_same_log
                            reference.stem_table_rows(layer, torch.arange(VOCAB)))
     assert load(grouped, None).stem_tables == "mmap"  # the default placement reads them
     result = run("inspect", grouped)
-    assert result.exit_code == 0 and "float32, 2 groups of layers side by side" in result.output, result.output
+    assert result.exit_code == 0 and "float32, 2 groups of up to 2 layers side by side" in result.output, result.output
     placements = [line.split()[0] for line in result.output.splitlines() if line.startswith("  ")]
     assert placements == ["memory", "mmap", "host"], result.output  # every placement reads them
     result = run("inspect", grouped, "--tables", "--layer", "1", "--sample", "32")
