@@ -220,20 +220,19 @@ class _StemDispatch:
             if key in kwargs:
                 setattr(config, key, kwargs.pop(key))
         cls = cls.family_class(config.dense_model_type)
-        _loading.placement = open_tables(pretrained_model_name_or_path, config, hub_kwargs)
+        placement = open_tables(pretrained_model_name_or_path, config, hub_kwargs)
         # Tables stored in groups of layers, loaded as parameters: a table per layer, filled from the groups'
         # tensors once the rest is loaded; the model (and what save_pretrained writes) has a tensor per table.
-        _loading.groups = grouped_tables(pretrained_model_name_or_path, config, hub_kwargs
-                                         ) if _loading.placement is None else None
-        if _loading.groups:
+        groups = grouped_tables(pretrained_model_name_or_path, config, hub_kwargs) if placement is None else None
+        if groups:
             config.stem_table_groups = None
+        _loading.placement, _loading.groups = placement, groups  # set together: a check that fails leaves neither
         try:
             loaded = super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
                                                                **kwargs)
-            if _loading.groups:
+            if groups:
                 model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info): output_loading_info
-                fill_tables({i: model.base_model.layers[i].mlp.up_table.weight for i in _loading.groups},
-                            _loading.groups)
+                fill_tables({i: model.base_model.layers[i].mlp.up_table.weight for i in groups}, groups)
             return loaded
         finally:
             del _loading.placement, _loading.groups
