@@ -4,7 +4,7 @@
     .venv-vllm/bin/python benchmarks/vllm_throughput.py STEM_DIR --parent DENSE_DIR --requests 64
 
 Each setting runs in its own process, one after another: the dense parent, then the STEM model with its
-tables in vLLM's memory (parameters, the default) and in their files (`hf_overrides={"stem_tables":
+tables in vLLM's memory (the default: parameters, or groups of layers held as read) and in their files (`hf_overrides={"stem_tables":
 "mmap"}`). A setting creates `vllm.LLM` (through the Transformers backend, eager: the STEM layers read
 their rows in Python, and the dense parent runs the same way so that the two compare), then generates
 `--new-tokens` tokens for each of `--requests` prompts submitted at once (continuous batching; greedy,

@@ -206,8 +206,8 @@ def compress(model, out, table_dtype, table_block, layer_groups, max_shard_size,
     """Store the tables of the STEM model MODEL in another format, into a new folder OUT.
 
     Typically a recovered model: `stem-upcycle compress runs/my-stem runs/my-stem-int4`.
-    Decompress with a float --table-dtype (training needs float tables). For serving from the
-    files on a CPU: `stem-upcycle compress runs/my-stem runs/my-stem-grouped --layer-groups 5`.
+    Decompress with a float --table-dtype (training needs float tables). A tensor per table instead
+    of convert's groups of layers: `stem-upcycle compress runs/my-stem runs/my-stem-per-table --layer-groups 1`.
     """
     from pathlib import Path
 

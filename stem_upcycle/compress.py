@@ -106,7 +106,7 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
                                Copy(name))
     for k, group in enumerate(groups or []):
         out = table_group_name(k)
-        key = tensor_order_key(layer_name(group[0], STEM_TABLE_PREFIX + ".weight"))
+        key = tensor_order_key(layer_name(group[0], STEM_TABLE_PREFIX + ".weight"))  # where its first table was
         placed_at[out] = (key, TensorSpec(out, (vocab, d_ff * len(group)), new.parts(d_ff)["weight"][1]),
                           TableGroup(tuple(group)))
     for layer in cfg.stem_layers if not groups else []:

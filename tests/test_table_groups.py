@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from stem_upcycle import editing
 from stem_upcycle.cli import main
@@ -205,6 +205,19 @@ def test_memory_and_host_read_grouped_tables_as_a_parameter_or_host_table_per_la
     assert torch.equal(host.read_rows(0, torch.tensor([5])), before["model.layers.0.mlp.up_table.weight"][5:6])
 
 
+def test_a_grouped_table_offloaded_to_the_meta_device_is_a_one_line_error_not_an_empty_parameter(grouped):
+    from stem_upcycle.modeling.stem_tables import fill_tables, grouped_tables
+    from stem_upcycle.modeling.table_files import StemTablesError
+
+    stored = grouped_tables(grouped, AutoConfig.from_pretrained(grouped), {})
+    weights = {layer: torch.empty(VOCAB, D_FF) for layer in stored}
+    fill_tables(weights, stored)
+    assert torch.equal(weights[2], tensors(grouped)["model.stem_table_groups.1.weight"])
+    weights[1] = torch.empty(VOCAB, D_FF, device="meta")  # what accelerate leaves of a layer offloaded to disk
+    with pytest.raises(StemTablesError, match="left some on the meta device .*stem_tables='mmap'"):
+        fill_tables(weights, stored)
+
+
 def test_a_persistent_edit_of_grouped_tables_writes_the_rows_a_layer_major_edit_writes_and_undoes_exactly(
         layer_major, grouped, tmp_path):
     rows = {}
@@ -220,10 +233,6 @@ def test_a_persistent_edit_of_grouped_tables_writes_the_rows_a_layer_major_edit_
         assert digest(undone) == digest(path)  # byte for byte
     for a, b in zip(rows[layer_major], rows[grouped]):
         assert torch.equal(a, b)
-
-
-def digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_compressing_grouped_tables_stores_a_tensor_per_table_and_bad_groupings_fail_in_one_line(grouped, tmp_path):
@@ -272,15 +281,16 @@ def test_grouped_tables_load_through_remote_code_alone(layer_major, grouped, tmp
         with torch.no_grad():
             torch.testing.assert_close(memory(data["ids"]).logits, data["logits"], rtol=0, atol=0)
         # vLLM builds the model from its config under a meta-device context; the rows come from the files
+        # by default in memory, as for a tensor per table, but held as read, not as parameters: a loader that fills
+        # parameters by name finds no table's
         config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-        with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
-        assert torch.equal(built.stem_table_rows(1, torch.arange(16)), model.stem_table_rows(1, torch.arange(16)))
-        config.stem_tables = "memory"  # held as read: a loader that fills parameters by name finds no table's
-        with torch.device("meta"):
-            held = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
-        assert held.stem_tables == "memory" and not any("up_table" in n for n in held.state_dict())
-        assert torch.equal(held.stem_table_rows(1, torch.arange(16)), model.stem_table_rows(1, torch.arange(16)))
+        for placement in (None, "memory", "mmap"):
+            config.stem_tables = placement
+            with torch.device("meta"):
+                built = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+            assert built.stem_tables == (placement or "memory"), (placement, built.stem_tables)
+            assert not any("up_table" in n for n in built.state_dict())
+            assert torch.equal(built.stem_table_rows(1, torch.arange(16)), model.stem_table_rows(1, torch.arange(16)))
     """, grouped, tmp_path / "data.pt")
 
 

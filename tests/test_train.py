@@ -22,6 +22,7 @@ from stem_upcycle.table_init import InitOptions
 from stem_upcycle.training.tables import distinct_ids
 from stem_upcycle.training.recipe import load_recipe
 from stem_upcycle.training.trainer import Trainer
+from stem_upcycle.modeling.table_files import read_header
 
 from .conftest import VOCAB, save_tiny_tokenizer, tiny_dense
 
@@ -81,13 +82,21 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     assert log[0]["eval"]["heldout"]["rows_covered"] == 0
     assert log[-1]["eval"]["heldout"]["rows_covered"] == pytest.approx(torch.isin(read, trained).float().mean().item())
     # Same tensors, shapes, dtypes and order as the converted checkpoint; W_up in STEM layers for the first token.
-    def layout(path):
+    def layout(path):  # (shard, name, shape, dtype) in the order of the bytes (safe_open lists names sorted)
         index = json.loads((path / "model.safetensors.index.json").read_text())
-        with safe_open(str(path / next(iter(set(index["weight_map"].values())))), "pt") as f:
-            return [(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]
+        tensors = []
+        for shard in sorted(set(index["weight_map"].values())):
+            header = read_header(str(path / shard))[0]
+            tensors += [(shard, k, v["shape"], v["dtype"]) for k, v in
+                        sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]) if k != "__metadata__"]
+        return tensors
     assert layout(out) == layout(workspace / "stem")
-    assert any("layers.0.mlp.up_proj" in name for name, _, _ in layout(out))
-    assert ("model.stem_table_groups.0.weight", [VOCAB, 2 * 48], "F32") in layout(out)  # layers 0 and 2 side by side
+    names = [name for _, name, _, _ in layout(out)]
+    assert any("layers.0.mlp.up_proj" in name for name in names)
+    # layers 0 and 2 side by side, where layer 0's table would be: after layer 0's tensors, before layer 1's
+    assert ("model.stem_table_groups.0.weight", [VOCAB, 2 * 48], "F32") in [entry[1:] for entry in layout(out)]
+    assert names.index("model.layers.0.mlp.up_proj.weight") < names.index("model.stem_table_groups.0.weight") \
+        < names.index("model.layers.1.mlp.up_proj.weight")
     loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     ids = trainer.heldout["heldout"][:2, :-1]
     for table in trainer.tables.values():

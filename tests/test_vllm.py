@@ -69,10 +69,11 @@ def test_offline_batched_greedy_text_equals_transformers(converted, tables):
     assert vllm_greedy(path, tables) == expected
 
 
-@pytest.mark.parametrize("tables", [None, "memory"])
+@pytest.mark.parametrize("tables", [None, "mmap"])
 def test_tables_a_tensor_per_table_serve_the_same_greedy_text(converted, tables):
-    """The converted tables lie in one group of layers (`config.stem_table_groups`, convert's default); stored a
-    tensor per table (`compress --layer-groups 1`), vLLM loads them as parameters by name, or reads them per layer."""
+    """The converted tables lie in one group of layers (`config.stem_table_groups`, convert's default, held as read
+    in memory); stored a tensor per table (`compress --layer-groups 1`), vLLM loads them as parameters by name (the
+    default), or `mmap` reads them a layer at a time."""
     from stem_upcycle.cli import main
 
     path, expected, _ = converted

@@ -152,7 +152,8 @@ def placement_of_config(config):
     """The placement of a model built from its config alone (`from_config`, as vLLM builds models): None
     (tables in memory, as parameters), unless `config.stem_tables` asks for mmap or host; then the tables
     are read from the checkpoint the config was loaded from (`config._name_or_path`, a local folder), as
-    `from_pretrained` would. With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
+    `from_pretrained` would (tables stored in groups of layers: `memory` holds them as read, not as
+    parameters). With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
     grouped = bool(getattr(config, "stem_table_groups", None))
     if config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None and not grouped:
         return None
@@ -160,9 +161,7 @@ def placement_of_config(config):
         raise StemTablesError(f"stem_tables={config.stem_tables!r} in a model built from its config reads the tables "
                               f"of the checkpoint the config came from, and {config._name_or_path!r} is no local "
                               f"folder; load the config from the checkpoint's folder")
-    # Grouped tables in memory: held as read (`HeldTables`), since the loader (vLLM's) fills parameters by
-    # name and a group's tensor names none
-    return open_tables(config._name_or_path, config, {}, parameters=False)
+    return open_tables(config._name_or_path, config, {}, from_config=True)
 
 
 def _with_pattern(patterns, pattern: str):

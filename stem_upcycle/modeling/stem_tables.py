@@ -613,16 +613,20 @@ def _gather(source: torch.Tensor, ids: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.index_select(source, 0, ids, out=out)
 
 
-def open_tables(path, config, hub_kwargs: dict, parameters: bool = True):
+def open_tables(path, config, hub_kwargs: dict, from_config: bool = False):
     """The placement of `config.stem_tables` for the checkpoint at `path` (a directory or a hub id
-    already downloaded), its table files checked; None for float tables in `memory` (parameters), but
-    for grouped ones without `parameters` (a model built from its config: `HeldTables`)."""
+    already downloaded), its table files checked; None for float tables in `memory` (parameters).
+    `from_config`: for a model built from its config alone, whose loader (vLLM's) fills parameters by
+    name and finds none for a group's tensor (`config.stem_table_groups`): grouped tables in `memory`
+    (there the default, as for a tensor per table) are held as read (`HeldTables`)."""
     requested = config.stem_tables or "auto"
     if requested not in (*PLACEMENTS, "auto"):
         raise StemTablesError(f"stem_tables={requested!r} is not a placement; use one of {', '.join(PLACEMENTS)}")
     table_format = TableFormat.from_config(config)
-    grouped = bool(getattr(config, "stem_table_groups", None))
-    if not config.stem_layers or (requested == "memory" and table_format is None and (parameters or not grouped)):
+    held = from_config and bool(getattr(config, "stem_table_groups", None))
+    if held and requested == "auto":
+        requested = "memory"
+    if not config.stem_layers or (requested == "memory" and table_format is None and not held):
         return None
     files = checkpoint_files(path, hub_kwargs)
     if files is None:
@@ -661,6 +665,10 @@ def grouped_tables(path, config, hub_kwargs: dict) -> dict[int, StoredTable] | N
 def fill_tables(weights: dict[int, torch.Tensor], stored: dict[int, StoredTable], chunk_bytes: int = 64 << 20) -> None:
     """Copy each layer's table from the files into `weights` [vocab, d_ff] (parameters; any dtype or device):
     a group's tensor is read once, `chunk_bytes` of its rows at a time, each layer taking its columns."""
+    if any(weights[layer].is_meta for layer in stored):  # offloaded to disk by accelerate: a copy would do nothing
+        raise StemTablesError("tables stored in groups of layers are copied into parameters at load, and a device_map "
+                              "left some on the meta device (offloaded); load with stem_tables='mmap', or store a "
+                              "tensor per table: `stem-upcycle compress MODEL OUT --layer-groups 1`")
     groups = {}  # TableFile -> the layers whose tables it holds
     for layer, table in stored.items():
         groups.setdefault(table.parts["weight"], []).append(layer)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..convert import resolve_dtype, table_group_name, tensor_order_key
+from ..modeling.table_files import checkpoint_files, read_header
 from ..families import STEM_TABLE, layer_name
 from ..atomic import staging_dir
 from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards
@@ -37,7 +38,7 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
     for name, group in groups.items():  # the tables of a group side by side, as `convert` stores them
         tables[name] = GroupRows([by_layer[i] for i in group])
     specs = []
-    for name in sorted(init.tensors.names(), key=tensor_order_key):
+    for name in stored_order(init):
         value = tables.get(name, state.get(name))
         if value is None or tuple(value.shape) != init.tensors.shape(name):
             raise RuntimeError(f"the trained model has no tensor {name} shaped like the converted one")
@@ -65,6 +66,20 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def stored_order(init) -> list[str]:
+    """The checkpoint's tensor names in the order their bytes lie, shard after shard: the order `convert`
+    wrote them in (a table, or a group's, after its first layer's other tensors); a checkpoint of other
+    files (a dense `model.init_from` as .bin): embedding, layers, head."""
+    files = checkpoint_files(str(init.directory), {})
+    if files is None:
+        return sorted(init.tensors.names(), key=tensor_order_key)
+    offset = {}
+    for path in sorted(set(files.values())):
+        header, _ = read_header(path)
+        offset.update({name: (path, entry["data_offsets"][0]) for name, entry in header.items() if name in files})
+    return sorted(files, key=offset.__getitem__)
 
 
 class GroupRows:
