@@ -163,7 +163,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
              "--dtype", dtype, "--table-dtype", plan.table_format.dtype, "--max-shard-size", str(max_shard_size)]
     if plan.table_format.compressed:
         words += ["--table-block", str(plan.table_format.block_size)]
-    words += ["--layer-groups", str(max(map(len, plan.config.stem_table_groups or [[0]])))]
+    words += ["--layer-groups", str(plan.layer_groups)]
     if calib_data or calib_generate:
         words += [w for f in calib_data for w in ("--calib-data", f)]
         words += ["--calib-tokens", str(calib_tokens), "--calib-generate", str(calib_generate),

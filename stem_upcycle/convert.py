@@ -111,6 +111,11 @@ class ConversionPlan:
         return sum(s.nbytes for s in self.table_specs)
 
     @property
+    def layer_groups(self) -> int:
+        """The most STEM layers whose tables share a tensor (`config.stem_table_groups`; 1: a tensor per table)."""
+        return max(map(len, self.config.stem_table_groups or [[0]]))
+
+    @property
     def chunk_rows(self) -> int:
         return chunk_rows(self.config.intermediate_size)
 
@@ -120,8 +125,8 @@ class ConversionPlan:
         cfg = self.config
         embedding = tensors.nbytes(EMBEDDING)
         chunk = self.chunk_rows * cfg.intermediate_size * COMPUTE_DTYPE.itemsize
-        group = max(map(len, cfg.stem_table_groups or [[0]]))  # a group's layers' W_up are held together
-        up = group * cfg.intermediate_size * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
+        # a group's layers' W_up are held together
+        up = self.layer_groups * cfg.intermediate_size * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
         largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], (Table, TableGroup)))
         runtime = 600 * 2**20  # Python, torch and transformers themselves
         if INITIALISERS[self.init].needs_data:  # the dense model in fp32, accumulators
