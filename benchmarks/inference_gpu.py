@@ -2,7 +2,7 @@
 
     python benchmarks/inference_gpu.py               # a few minutes on one GPU; writes nothing outside --work
 
-UNTESTED: no GPU was available where this was written. It is the one script to run when one is:
+Run on one H200 on 2026-12-04 (figures in benchmarks/README.md, section inference_gpu.py):
 
 1. Equality (fp32, a small Llama-shaped STEM model, 3 of 8 layers): `host` (row cache of 64 rows, so
    that forwards evict and long prompts are staged) and `mmap` against `memory`, all with
@@ -20,6 +20,7 @@ import argparse
 import gc
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -192,6 +193,19 @@ def packed_copy() -> None:
               f"packed {timings['packed']:.0f} us", flush=True)
 
 
+def guarded(name: str, step, *args):
+    """Run one stage of a device session; a failure prints its traceback and lets the next stages run, since the
+    machine's minutes are too few to rerun a whole script for one broken stage."""
+    started = time.perf_counter()
+    try:
+        return step(*args)
+    except Exception:
+        traceback.print_exc()
+        print(f"{name}: FAILED", flush=True)
+    finally:
+        print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="/tmp/stem-gpu")
@@ -199,9 +213,9 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: this script measures the host placement on one")
     work = Path(args.work)
-    check_equality(work)
-    speed(work)
-    packed_copy()
+    guarded("equality", check_equality, work)
+    guarded("speed", speed, work)
+    guarded("packed copy", packed_copy)
 
 
 if __name__ == "__main__":

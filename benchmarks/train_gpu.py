@@ -1,7 +1,7 @@
 """Recovery training on one GPU: STEM (a third of the layers) against the dense model fine-tuned alike.
 
-UNTESTED ON A GPU: no task that prepared it had one. What would check it: the two steps below on an
-H200, with the figures put in benchmarks/README.md. `--smoke` runs the same code path on a CPU (tested).
+Run on one H200 on 2026-12-04 (figures in benchmarks/README.md, section train_gpu.py). `--smoke` runs the
+same code path on a CPU (tested).
 
 The real SmolLM2-135M-Instruct, the CPU recipe's data and losses (recipes/smollm2-135m-cpu.yaml:
 plays + text sampled from SmolLM2 itself, KL + cross-entropy, four held-out sets), scaled up in
@@ -17,8 +17,8 @@ model's on every held-out set. With more than one GPU visible, one step of the F
 also runs (accelerate launch with recipes/accelerate/fsdp.yaml).
 
 Sized for a 15-minute device session (start-up included) that also runs inference_gpu.py and leaves
-room for a rerun: ~1/4 of the CPU recipe's generated and calibration text, 100 steps (estimated 3-4
-minutes on an H200 after start-up). Each evaluation is printed as the trainer logs it, and every log
+room for a rerun: ~1/4 of the CPU recipe's generated and calibration text, 100 steps (253 s on an H200
+for both runs, after start-up). Each evaluation is printed as the trainer logs it, and every log
 goes to --log-dir ($OUT on the device machine), so a run cut at the limit still returns what it did.
 
 The device machine receives at most 64 MiB per call, so the model travels as pieces, and the second
@@ -194,17 +194,19 @@ def main():
     import torch
 
     from benchmarks.inference import machine
+    from benchmarks.inference_gpu import guarded
 
     print(machine(), "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
     gguf = unpack(args.pack) if (args.pack / "part-0").exists() else None
     data = args.pack / "data" if (args.pack / "data").exists() else ROOT / "data"
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     dense = dense_checkpoint(str(gguf) if gguf else "smollm2-135m", args.work, dtype)
-    curves = {"stem": train("stem", ["model.layers=1/3"], args, data, dense),
-              "dense": train("dense", [f"model.init_from={dense}", "train.trainable=[mlp, norms, attention]"],
-                             args, data, dense)}
-    report(curves)
-    fsdp_step(args, data, dense)
+    curves = {"stem": guarded("stem", train, "stem", ["model.layers=1/3"], args, data, dense),
+              "dense": guarded("dense", train, "dense", [f"model.init_from={dense}",
+                                                         "train.trainable=[mlp, norms, attention]"], args, data, dense)}
+    if all(curves.values()):
+        report(curves)
+    guarded("FSDP step", fsdp_step, args, data, dense)
 
 
 if __name__ == "__main__":
