@@ -12,6 +12,7 @@ from .source import DTYPES
 from .editing import MODES
 from .errors import UserError
 from .table_init import INITIALISERS
+from .table_init.protocol import FitOptions
 from .layers import DEFAULT_LAYERS
 from .modeling.stem_tables import PLACEMENTS
 from .modeling.table_files import StemTablesError
@@ -109,6 +110,15 @@ def main():
 @click.option("--first-token", type=click.Choice(FIRST_TOKEN), default="dense", show_default=True,
               help="What a sequence's first token (the attention sink, whose hidden states are its id's alone) reads in "
                    "a STEM layer: dense keeps the layer's up-projection for that token, table its row.")
+@click.option("--sequential/--no-sequential", default=FitOptions.sequential, show_default=True,
+              help="With --init calib: calibrate each STEM layer on the inputs of the model whose earlier STEM layers "
+                   "are already fitted, not on the dense model's.")
+@click.option("--refit-down", type=click.FloatRange(min=0), default=FitOptions.refit_down, show_default=True,
+              metavar="RIDGE", help="With --init calib: refit each STEM layer's down-projection by ridge least squares "
+                                    "so that its output matches the parent MLP's (the ridge's strength; 0: no refit).")
+@click.option("--local-epochs", type=click.IntRange(min=0), default=FitOptions.epochs, show_default=True,
+              help="With --init calib: passes of local training of each STEM layer's rows, gate and down on the "
+                   "error to the parent MLP's output, over the calibration text (0: none).")
 @click.option("--device", default="auto", show_default=True,
               help="Where the dense model reads the calibration text (fp32): auto (the GPU if there is one), cpu, cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
@@ -122,8 +132,9 @@ def main():
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, device,
-            dtype, table_dtype, table_block, layer_groups, max_shard_size, overwrite, dry_run, quiet):
+def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, sequential,
+            refit_down, local_epochs, device, dtype, table_dtype, table_block, layer_groups, max_shard_size, overwrite,
+            dry_run, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id already in the local cache, a .gguf file,
@@ -141,7 +152,8 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
 
     device = resolve_device(device)
     src = open_source(source)
-    options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len)
+    fit = FitOptions(sequential=sequential, refit_down=refit_down, epochs=local_epochs)
+    options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, fit=fit)
     reads_text = INITIALISERS[init].needs_data or is_auto(layers) or calib_generate
     if reads_text and not dry_run:  # the dense model, loaded once, where it reads (and writes) text
         options.dense_model = model_from_source(src).to(device)
@@ -168,6 +180,9 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
         words += [w for f in calib_data for w in ("--calib-data", f)]
         words += ["--calib-tokens", str(calib_tokens), "--calib-generate", str(calib_generate),
                   "--calib-seq-len", str(calib_seq_len)]
+    if plan.fits:
+        words += ["--sequential" if sequential else "--no-sequential", "--refit-down", str(refit_down),
+                  "--local-epochs", str(local_epochs)]
     command = " ".join(shlex.quote(w) for w in words)
     run_conversion(plan, Path(out), overwrite=overwrite, progress=not quiet, command=command)
     click.echo(f"wrote {out}")

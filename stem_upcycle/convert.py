@@ -32,6 +32,7 @@ from .source import DTYPES, TOKENIZER_FILES, Source
 from .summary import table_layout
 from .table_init import INITIALISERS, InitOptions, InitTarget
 from .table_init.layer_choice import auto_fraction, check_auto, is_auto, select_layers
+from .table_init.layer_fit import describe_options, fit_record
 
 MODELING_DIR = Path(__file__).parent / "modeling"
 MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "forward_ids.py", "stem_tables.py", "table_files.py",
@@ -119,6 +120,11 @@ class ConversionPlan:
     def chunk_rows(self) -> int:
         return chunk_rows(self.config.intermediate_size)
 
+    @property
+    def fits(self) -> bool:
+        """Whether the init fits the layers one after another (`FitOptions`), a calibrating init's option."""
+        return INITIALISERS[self.init].needs_data and self.init_options.fit.active
+
     def ram_estimate(self) -> int:
         """Peak bytes held: the embedding, chunk buffers, one W_up, two dense tensors in flight."""
         tensors = self.source.tensors
@@ -134,6 +140,9 @@ class ConversionPlan:
 
             params = sum(math.prod(tensors.shape(n)) for n in tensors.names())
             runtime += 4 * params + CALIB_MEMORY_BYTES
+        if self.fits:  # the windows' stream, one layer's inputs and targets (fp32), a Gram matrix and its solve
+            tokens = self.init_options.calib_tokens or 0
+            runtime += 3 * 4 * tokens * cfg.hidden_size + 3 * 8 * (cfg.intermediate_size + 1) ** 2
         return embedding + (POOL_BUFFERS + 1) * chunk + up + 3 * largest + self.source.in_memory_bytes + runtime
 
     def describe(self) -> str:
@@ -145,6 +154,7 @@ class ConversionPlan:
             + (f"chosen by the real run ({self.auto_spec}: every layer calibrated, then each converted alone "
                f"and scored on calibration windows)" if self.auto_spec else f"{self.layers}"),
             f"init       {self.init}: {INITIALISERS[self.init].description}",
+            *([f"fit        {describe_options(self.init_options.fit)}"] if self.fits else []),
             f"tables     {len(self.layers)} x [{cfg.vocab_size}, {cfg.intermediate_size}] {self.table_format.describe()}"
             f" = {self.table_bytes / gb:.2f} GB ({self.table_bytes / len(self.layers) / gb:.2f} GB each), "
             f"{table_layout(cfg.stem_table_groups)}",
@@ -207,6 +217,9 @@ def plan_conversion(
     if init not in INITIALISERS:
         raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
     init_options = replace(init_options or InitOptions())  # the plan's own: --layers auto adds its calibration
+    if init_options.fit.active and not INITIALISERS[init].needs_data:
+        raise ConversionError(f"fitting the layers to the parent (--sequential, --refit-down, --local-epochs) starts "
+                              f"from calibrated rows, and --init is {init}: use --init calib with --calib-data")
     if INITIALISERS[init].needs_data and not init_options.has_text:
         raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text) "
                               f"or --calib-generate TOKENS (text sampled from the model itself)")
@@ -453,14 +466,17 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
 def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> None:
     init = INITIALISERS[plan.init](plan.init_target, plan.init_options, progress=progress)  # calibrating inits read their data here
     write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, init.table_rows, plan.table_format,
-                  plan.config.intermediate_size, plan.chunk_rows, directory, progress)
+                  plan.config.intermediate_size, plan.chunk_rows, directory, progress, init.dense_weights)
+    if init.dense_weights:  # what the fit did, for the model card and the benchmarks
+        plan.config.stem_fit = fit_record(plan.init_options.fit, init.fit_reports)
 
 
 def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, table_rows, table_format: TableFormat,
-                  d_ff: int, chunk_rows: int, directory: Path, progress: bool) -> None:
-    """Write `specs` in order into `shards` under `directory`: copies of `tensors`, and tables whose rows
-    (of `d_ff`) `table_rows(layer)` fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`;
-    a group's (`TableGroup`) with the rows of its layers side by side."""
+                  d_ff: int, chunk_rows: int, directory: Path, progress: bool, replaced: dict | None = None) -> None:
+    """Write `specs` in order into `shards` under `directory`: copies of `tensors` (or the tensor of the same
+    name in `replaced`, a fit's gate and down projections), and tables whose rows (of `d_ff`) `table_rows(layer)`
+    fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`; a group's (`TableGroup`) with the
+    rows of its layers side by side."""
     from tqdm.auto import tqdm
 
     total = sum(s.nbytes for s in specs)
@@ -479,6 +495,8 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
                 fill = side_by_side([table_rows(layer) for layer in producer.layers], d_ff)
                 _write_table(fill, spec, producer, table_format, d_ff * len(producer.layers),
                              max(1, chunk_rows // len(producer.layers)), writer)
+            elif replaced and spec.name in replaced:
+                writer.submit(spec.name, replaced[spec.name].to(spec.dtype))
             else:
                 data = tensors.get(producer.source_name)
                 if producer.rows is not None:

@@ -115,6 +115,12 @@ NUMERIC_OPTIONS = {
     ("convert", "--calib-seq-len"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--init", "calib",
                                                          "--calib-data", t, "--calib-seq-len", v],
                                      {0: "x>=2", 1: "x>=2", HUGE: "fewer than --calib-seq-len"}),
+    ("convert", "--refit-down"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--init", "calib", "--layers", "0",
+                                                      "--calib-data", t, "--calib-seq-len", 16, "--refit-down", v],
+                                  {-1: "x>=0", HUGE: None}),  # a huge ridge keeps the parent's W_down
+    ("convert", "--local-epochs"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--init", "calib", "--layers",
+                                                        "0", "--calib-data", t, "--local-epochs", v, "--dry-run"],
+                                    {-1: "x>=0", HUGE: None}),
     ("convert", "--layers"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", v],
                               {"0/3": "a fraction must lie in (0, 1]", -1: "is not understood", HUGE: "does not exist"}),
     ("convert", "--max-shard-size"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--max-shard-size", v],

@@ -351,9 +351,11 @@ def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(works
 
 
 def test_two_processes_split_the_calibration_of_the_conversion(workspace):
-    """A run that converts its starting point calibrates in both processes (each half the windows, sums
-    all-reduced): the converted tables equal those of one process."""
+    """A run that converts its starting point calibrates and fits its layers (local: sequential, refit_down) in
+    both processes (each half the windows, sums all-reduced): the converted tables and the refit down-projections
+    equal those of one process."""
     common = [f"model.source={workspace / 'dense'}", "model.layers=0,2", "model.calib_tokens=1024",
+              "local.sequential=true", "local.refit_down=1e-3",
               "model.calib_seq_len=32", "model.keep_init=true", f"data.train=[{workspace / 'train.txt'}]",
               f"data.eval=[{workspace / 'heldout.txt'}]", "data.seq_len=32", "data.eval_tokens=64", "train.steps=1",
               "train.batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", "train.warmup_steps=1"]
@@ -369,8 +371,10 @@ def test_two_processes_split_the_calibration_of_the_conversion(workspace):
     assert run.returncode == 0, _failure(run)
     assert "read by 2 processes" in run.stderr
     a, b = (safe_open(str(next((workspace / r / "init").glob("*.safetensors"))), "pt") for r in ("one", "two"))
-    for name in ("model.stem_table_groups.0.weight",):  # layers 0 and 2, side by side
+    for name in ("model.stem_table_groups.0.weight", "model.layers.2.mlp.down_proj.weight"):  # tables side by side
         torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
+    config = json.loads((workspace / "two" / "init" / "config.json").read_text())
+    assert config["stem_fit"]["refit_down"] == 1e-3
 
 
 def test_the_recipe_fine_tunes_the_dense_model_itself_as_the_baseline(workspace):

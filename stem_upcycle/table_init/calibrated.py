@@ -15,6 +15,7 @@ each reads every world-th window and the accumulators are summed across them by 
 """
 
 import functools
+import math
 import sys
 
 import torch
@@ -24,11 +25,14 @@ from transformers.activations import ACT2FN
 from ..errors import UserError
 from ..evaluate import read_token_ids
 from ..loading import load_tokenizer, model_from_source
+from ..families import layer_name
 from ..modeling.modeling_stem import fit_ridge
 from .closed_form import ClosedFormInit, mlp_projections
+from .layer_fit import LayerFitter, fitted_weights
 from .protocol import InitOptions, InitTarget, RowsFn
 
 CALIB_MEMORY_BYTES = 2 * 2**30  # accumulators held at once, all layers of a pass together
+CALIB_WINDOWS = 8  # windows of a fitted layer's inputs added to its sums at once
 
 
 class CalibrationError(UserError):
@@ -97,9 +101,13 @@ class CalibratedInit(ClosedFormInit):
     def __init__(self, target: InitTarget, options: InitOptions, progress: bool = False):
         super().__init__(target)
         self.progress = progress
-        reused = options.calibration  # computed already, for every layer, by --layers auto
-        if isinstance(reused, CalibratedInit) and reused.gate_weighted == self.gate_weighted:
+        self.fit = options.fit
+        self.dense_weights, self.fit_reports = {}, {}
+        reused = options.calibration  # computed already, for every layer, by --layers auto (or by every process)
+        if (isinstance(reused, CalibratedInit) and reused.gate_weighted == self.gate_weighted
+                and reused.fit == self.fit):
             self.seen, self.means, self.projections = reused.seen, reused.means, reused.projections
+            self.dense_weights, self.fit_reports = reused.dense_weights, reused.fit_reports
             return
         self.windows = calibration_windows(self.source, options)
         if scoring := options.scoring_windows:  # kept out of the calibration (--layers auto)
@@ -113,10 +121,14 @@ class CalibratedInit(ClosedFormInit):
             self.scoring_windows, self.windows = self.windows[picked], self.windows[kept]
         self.seen = calibrated_ids(self.windows, target.config)  # sorted ids the corpus calibrates
         model = options.dense_model or model_from_source(self.source)
-        self.means = self._calibrate(target, options.shard or (0, 1, None), self.windows, model)  # layer -> [n_seen, d_ff]
+        shard = options.shard or (0, 1, None)
+        if self.fit.active:  # layer after layer (layer_fit.py): rows, and the gate and down projections
+            self.means = self._fit(target, shard, model)
+        else:
+            self.means = self._calibrate(target, shard, self.windows, model)  # layer -> [n_seen, d_ff]
         self.projections = {layer: self._fit_projection(layer) for layer in target.layers}
         vocab = target.config.vocab_size
-        rank, world, _ = options.shard or (0, 1, None)
+        rank, world, _ = shard
         if rank:
             return  # the main process reports
         print(
@@ -131,6 +143,43 @@ class CalibratedInit(ClosedFormInit):
                       for name, files in options.heldout_data.items()}
             print("calibrated rows cover " + ", ".join(f"{share:.1%} of {name}" for name, share in shares.items())
                   + " (held-out tokens)", file=sys.stderr)
+
+    def _fit(self, target: InitTarget, shard, model) -> dict[int, torch.Tensor]:
+        """Every STEM layer fitted in turn (layer_fit.LayerFitter): {layer: rows [n_seen, d_ff]}; the fitted gate
+        and down projections go to `dense_weights`, each layer's errors to `fit_reports`."""
+        rank, world, reduce = shard
+        compact = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=model.device)
+        compact[self.seen.to(model.device)] = torch.arange(self.seen.numel(), device=model.device)
+        activation = ACT2FN[target.config.stem_activation]
+        skip = skipped_positions(target.config)
+        projections = {}
+
+        def calibrate(layer: int, inputs: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+            weights = projections[layer] = self._dense_mlp(layer, model.device)
+            d_ff = weights["up"].shape[0]
+            num = torch.zeros(self.seen.numel(), d_ff, device=model.device)
+            den = torch.zeros_like(num)
+            for x, ids in zip(inputs.split(CALIB_WINDOWS), windows.split(CALIB_WINDOWS)):
+                self._accumulate(num, den, x[:, skip:], compact[ids[:, skip:]], weights, activation)
+            if reduce is not None:
+                num, den = reduce(num), reduce(den)
+            return num / den.clamp_min(1e-12)
+
+        steps = math.ceil(len(self.windows) // world / max(1, self.fit.batch_tokens // self.windows.shape[1]))
+        fitter = LayerFitter(model, self.family, target.config, self.windows[rank::world], self.seen, self.fit,
+                             activation, lambda layer: projections[layer], reduce, max(1, steps),
+                             progress=self.progress and not rank)
+        mlps, self.fit_reports = fitter.run(target.layers, calibrate)
+        self.dense_weights = fitted_weights(mlps, self.family)
+        return {layer: mlp.up_table.rows.weight.detach().cpu() for layer, mlp in mlps.items()}
+
+    def _dense_mlp(self, layer: int, device) -> dict[str, torch.Tensor | None]:
+        """The parent's MLP weights of `layer` in fp32 on `device`: gate, up (and biases) and down."""
+        weights = mlp_projections(self.source.tensors, self.family, layer)
+        down = layer_name(layer, self.family.down)
+        weights["down"] = self.source.tensors.get(down + ".weight")
+        weights["down_bias"] = self.source.tensors.get(down + ".bias") if down + ".bias" in self.source.tensors else None
+        return {k: None if v is None else v.to(device, torch.float32) for k, v in weights.items()}
 
     def _calibrate(self, target: InitTarget, shard, windows: torch.Tensor, model) -> dict[int, torch.Tensor]:
         compact = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
@@ -182,20 +231,25 @@ class CalibratedInit(ClosedFormInit):
 
         @in_fp32  # the teacher's forward may run under bf16 autocast; its sums stay fp32
         def hook(module, args):
-            x = args[0][:, skip:].reshape(-1, args[0].shape[-1]).float()  # [tokens, d]
-            up = torch.nn.functional.linear(x, weights["up"], weights["up_bias"])  # [tokens, d_ff]
-            if self.gate_weighted:
-                gate = activation(torch.nn.functional.linear(x, weights["gate"], weights["gate_bias"]))
-                w = gate.square()
-            else:
-                w = torch.ones_like(up)
-            index = current["index"][skip:]
-            num.index_add_(0, index, w * up)
-            den.index_add_(0, index, w)
+            self._accumulate(num, den, args[0][:, skip:], current["index"][skip:], weights, activation)
             if stop:
                 raise _StopForward
 
         return hook
+
+    @in_fp32
+    def _accumulate(self, num, den, x, index, weights, activation) -> None:
+        """Add the MLP inputs x [..., d] at rows `index` [...] of the sums: num += w * W_up x, den += w (w: the
+        squared gate, or 1)."""
+        x = x.reshape(-1, x.shape[-1]).float()  # [tokens, d]
+        index = index.reshape(-1)
+        up = torch.nn.functional.linear(x, weights["up"], weights["up_bias"])  # [tokens, d_ff]
+        if self.gate_weighted:
+            w = activation(torch.nn.functional.linear(x, weights["gate"], weights["gate_bias"])).square()
+        else:
+            w = torch.ones_like(up)
+        num.index_add_(0, index, w * up)
+        den.index_add_(0, index, w)
 
     def _fit_projection(self, layer: int) -> torch.Tensor:
         return fit_projection(self.mlp_inputs(layer, self.embedding[self.seen]), self.means[layer])

@@ -46,6 +46,7 @@ class ClosedFormInit:
         self.embedding = self.source.tensors.get(EMBEDDING)  # [vocab, d], kept in its stored dtype
         self.scale = embed_multiplier(self.family, self.source.config)
         self.eps = float(getattr(self.source.config, "rms_norm_eps", 1e-6))
+        self.dense_weights = {}  # the parent's dense tensors are written as they are
 
     def mlp_inputs(self, layer: int, embeddings: torch.Tensor) -> torch.Tensor:
         """norm_l(scale * E[v]) in fp32 for rows E[v]: layer l's MLP input if attention added nothing."""

@@ -36,7 +36,7 @@ from ..modeling.modeling_stem import StemMLP
 from ..modeling.forward_ids import IdHandoff
 from . import INITIALISERS
 from .closed_form import mlp_projections
-from .protocol import InitOptions, InitTarget
+from .protocol import FitOptions, InitOptions, InitTarget
 
 AUTO = re.compile(r"auto\s*:\s*(\d+\s*/\s*\d+)")
 MEASURE_WINDOWS = 8  # windows of the calibration text, left out of it, each layer is scored on
@@ -67,7 +67,8 @@ def select_layers(spec: str, source, family: Family, config, init: str, options:
     check_auto(spec, init)
     model = options.dense_model or model_from_source(source)
     every = list(range(config.num_hidden_layers))
-    options = dataclasses.replace(options, dense_model=model, scoring_windows=MEASURE_WINDOWS)
+    # each layer is scored converted alone on the dense model, so calibrated on its inputs and fitted no further
+    options = dataclasses.replace(options, dense_model=model, scoring_windows=MEASURE_WINDOWS, fit=FitOptions())
     calibrated = INITIALISERS[init](InitTarget(source, family, config, every), options, progress=progress)
     costs = measure_costs(model, calibrated, family, config, calibrated.scoring_windows)
     fact_costs = measure_costs(model, calibrated, family, config, fact_completions(load_tokenizer(source), RANKING_FACTS))

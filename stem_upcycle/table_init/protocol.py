@@ -28,6 +28,24 @@ class InitTarget:
     layers: list[int]
 
 
+@dataclass(frozen=True)
+class FitOptions:
+    """How the calibrated inits fit each STEM layer to its parent beyond a mean per token (layer_fit.py). The
+    defaults fit nothing more: each layer's rows calibrated on the dense model's MLP inputs."""
+
+    sequential: bool = False  # rows calibrated on the inputs of the model whose earlier STEM layers are fitted
+    refit_down: float = 0.0  # ridge strength of the refit of W_down to the parent MLP's outputs; 0: no refit
+    epochs: int = 0  # passes of local training (rows, gate, down) over the calibration windows; 0: none
+    lr: float = 1e-3  # peak learning rate of the gate and down projections (Adam, cosine decay)
+    row_lr: float = 1e-2  # peak learning rate of the rows (sparse Adam)
+    batch_tokens: int = 2048  # tokens per step of local training (whole windows)
+
+    @property
+    def active(self) -> bool:
+        """Whether the layers are walked one after another (layer_fit.LayerFitter) rather than calibrated together."""
+        return self.sequential or self.refit_down > 0 or self.epochs > 0
+
+
 @dataclass
 class InitOptions:
     """What an initialiser may read besides the checkpoint. Only calibrating inits (`needs_data`) read any."""
@@ -41,6 +59,7 @@ class InitOptions:
     shard: tuple[int, int, Reduce] | None = None  # (rank, world, reduce): this process calibrates every world-th window
     calibration: Any = None  # a calibration of every layer made already (by --layers auto), reused as it is
     scoring_windows: int = 0  # windows kept out of the calibration to score layers on (--layers auto)
+    fit: FitOptions = field(default_factory=FitOptions)  # stages beyond the mean per token (calibrated inits)
 
     @property
     def has_text(self) -> bool:
@@ -55,3 +74,7 @@ class TableInit(Protocol):
     def __init__(self, target: InitTarget, options: InitOptions, progress: bool = False): ...
 
     def table_rows(self, layer: int) -> RowsFn: ...
+
+    # Dense tensors of the STEM checkpoint that the init computed in place of the parent's (a fit's gate and down
+    # projections), by output name; empty for most inits.
+    dense_weights: dict[str, torch.Tensor]

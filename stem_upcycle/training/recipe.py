@@ -36,6 +36,19 @@ class ModelSection:
 
 
 @dataclass
+class LocalSection:
+    """Each converted layer fitted to its parent before end-to-end training (model.init calib or calib-mean;
+    table_init/layer_fit.py), on the calibration windows: the stages run in this order, each switchable."""
+
+    sequential: bool = False  # 1: a layer's rows calibrated on the inputs of the model whose earlier layers are fitted
+    refit_down: float = 0.0  # 2: ridge strength of the refit of W_down to the parent MLP's outputs; 0: off
+    epochs: int = 0  # 3: passes of local training (rows, gate, down on the error to the parent MLP's output); 0: off
+    lr: float = 1.0e-3  # local training: peak learning rate of gate and down (Adam, cosine decay)
+    row_lr: float = 1.0e-2  # local training: peak learning rate of the rows (sparse Adam)
+    batch_tokens: int = 2048  # local training: tokens per step (whole calibration windows)
+
+
+@dataclass
 class DataSection:
     train: list = field(default_factory=list)  # text (.txt) or JSON-lines (.jsonl) files; globs allowed
     # Held-out sets, each scored and reported on its own: {name: files}, or a plain list of files
@@ -126,6 +139,7 @@ class LoraSection:
 @dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
+    local: LocalSection = field(default_factory=LocalSection)
     data: DataSection = field(default_factory=DataSection)
     generated: GeneratedSection = field(default_factory=GeneratedSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -211,6 +225,8 @@ def _coerce(value, default, key: str):
 # one-line error. Every numeric field of Recipe is listed (a test checks it).
 RANGES = {
     "model.calib_tokens": "> 0", "model.calib_seq_len": ">= 2",
+    "local.refit_down": ">= 0", "local.epochs": ">= 0", "local.lr": "> 0", "local.row_lr": "> 0",
+    "local.batch_tokens": "> 0",
     "data.heldout_fraction": "[0, 1)", "data.seq_len": "> 0", "data.max_train_tokens": ">= 0", "data.eval_tokens": "> 0",
     "train.steps": "> 0", "train.batch_size": "> 0", "train.micro_batch_size": "> 0", "train.lr": ">= 0",
     "train.warmup_steps": ">= 0", "train.weight_decay": ">= 0", "train.min_lr_ratio": "[0, 1]",
@@ -269,6 +285,14 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError(f"data.eval set {bad[0]!r} names no file")
     if recipe.model.export_dtype not in ("auto", *DTYPES):
         raise RecipeError(f"model.export_dtype {recipe.model.export_dtype!r} is unknown; choose auto, {', '.join(DTYPES)}")
+    local = recipe.local
+    fits = local.sequential or local.refit_down or local.epochs
+    if fits and recipe.model.init_from:
+        raise RecipeError(f"the local: stages run when this recipe converts model.source, and model.init_from "
+                          f"{recipe.model.init_from} is converted already: drop model.init_from, or the local: stages")
+    if fits and recipe.model.init not in ("calib", "calib-mean"):
+        raise RecipeError(f"the local: stages fit calibrated rows, and model.init is {recipe.model.init!r}: set "
+                          f"model.init: calib, or turn the stages off (local.sequential false, refit_down 0, epochs 0)")
     if recipe.model.first_token not in FIRST_TOKEN:
         raise RecipeError(f"model.first_token {recipe.model.first_token!r} is unknown; choose {' or '.join(FIRST_TOKEN)}")
     if not recipe.model.source:

@@ -4,6 +4,7 @@ Both run in every process of a run: generation splits its batches, a calibrated 
 windows (sums reduced across processes); the main process writes the converted checkpoint.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from ..convert import plan_conversion, run_conversion
 from ..generate import GeneratedText, Sampling, as_stream
 from ..source import open_source
-from ..table_init import INITIALISERS, InitOptions
+from ..table_init import INITIALISERS, FitOptions, InitOptions
 from ..table_init.calibrated import calibrated_ids, calibration_windows
 from ..table_init.layer_choice import is_auto
 from .data import eval_files, expand_files, heldout_paths
@@ -69,7 +70,8 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
     calib = [str(f) for f in expand_files(files, "model.calib_data") if f not in heldout] if files else []
     options = InitOptions(calib_data=calib, calib_tokens=m.calib_tokens, calib_seq_len=m.calib_seq_len,
                           heldout_data={name: [str(f) for f in fs] for name, fs in eval_files(recipe).items()},
-                          dense_model=teacher)  # held-out text is never calibrated on either
+                          dense_model=teacher,  # held-out text is never calibrated on either
+                          fit=FitOptions(**dataclasses.asdict(recipe.local)))
     if generated is not None and recipe.generated.calib_share:
         share = recipe.generated.calib_share if calib else 1.0
         stream = as_stream(generated, tokenizer.eos_token_id)  # as training packs it
