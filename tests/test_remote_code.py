@@ -89,11 +89,14 @@ def test_resize_and_save_refuse_placed_tables_and_work_as_their_error_says(expor
     print(one_line_error(lambda: mapped.resize_token_embeddings(100)))
     print(one_line_error(lambda: mapped.save_pretrained(sys.argv[3])))
 
-    model = load(stem_tables="memory")  # as the errors say
+    model = load(stem_tables="memory", stem_cache_rows=16)  # as the errors say
     model.save_pretrained(sys.argv[3])
+    saved = AutoModelForCausalLM.from_pretrained(sys.argv[3], trust_remote_code=True)
+    # where the tables were loaded to is the loader's choice, not the saved model's default
+    assert saved.stem_tables == "mmap" and saved.config.stem_cache_rows == 2048, saved.config
     with torch.no_grad():
-        torch.testing.assert_close(load().__class__.from_pretrained(sys.argv[3], trust_remote_code=True)(ids).logits,
-                                   data["logits"], rtol=0, atol=0)
+        torch.testing.assert_close(saved(ids).logits, data["logits"], rtol=0, atol=0)
+    assert model.config.stem_tables == "memory"  # the loaded model's own config keeps what it was loaded with
     model.resize_token_embeddings(100, mean_resizing=False)
     for layer in model.config.stem_layers:
         assert model.model.layers[layer].mlp.up_table.weight.shape[0] == 100

@@ -37,6 +37,9 @@ class StemConfig(PretrainedConfig):
     """
 
     model_type = "stem"
+    # Where `from_pretrained(..., stem_tables=..., stem_cache_rows=...)` put the tables: set on the loaded config,
+    # they are choices of that load, not properties of the checkpoint, and are written at these defaults.
+    load_time_defaults = {"stem_tables": None, "stem_cache_rows": 2048}
 
     def __init__(
         self,
@@ -63,3 +66,15 @@ class StemConfig(PretrainedConfig):
         self.stem_table_format = stem_table_format
         self.stem_table_groups = [[int(i) for i in group] for group in stem_table_groups] if stem_table_groups else None
         super().__init__(**kwargs)
+
+    def save_pretrained(self, *args, **kwargs):
+        # Difference from PretrainedConfig: the load-time choices are saved at their defaults, so that a model
+        # loaded with stem_tables="memory" (as saving needs) and saved loads as any other, not in memory.
+        chosen = {key: getattr(self, key) for key in self.load_time_defaults}
+        for key, value in self.load_time_defaults.items():
+            setattr(self, key, value)
+        try:
+            return super().save_pretrained(*args, **kwargs)
+        finally:
+            for key, value in chosen.items():
+                setattr(self, key, value)

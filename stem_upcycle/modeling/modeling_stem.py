@@ -413,4 +413,15 @@ class StemForCausalLM(StemPreTrainedModel, GenerationMixin):
     _dense_mapping = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
+def __getattr__(name: str):
+    """The class of one family (`StemLlamaForCausalLM`, ...) by name, built on first use: a model saved by
+    `save_pretrained` names its own class in the saved config's auto_map, and a process loading that folder (or
+    unpickling a model) has not built it yet."""
+    for dispatcher in (StemModel, StemForCausalLM):
+        for dense_model_type, dense_name in dispatcher._dense_mapping.items():
+            if isinstance(dense_name, str) and name == "Stem" + dense_name:  # a few map to tuples of classes
+                return dispatcher.family_class(dense_model_type)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["StemPreTrainedModel", "StemModel", "StemForCausalLM", "StemMLP", "StemTablesError"]
