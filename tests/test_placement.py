@@ -99,6 +99,18 @@ def test_host_rows_that_change_are_not_served_stale(stem_dir, host_on_cpu, ids):
         torch.testing.assert_close(host(ids).logits, memory(ids).logits, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_forward_under_inference_mode_then_under_no_grad(stem_dir, placement, host_on_cpu, ids):
+    """What the first forward allocates for later ones (host: the device cache) is a normal tensor, which a
+    later forward outside inference mode writes into (it was an inference tensor: "Inplace update to inference
+    tensor outside InferenceMode")."""
+    memory, placed = load(stem_dir, "memory"), load(stem_dir, placement, stem_cache_rows=32)
+    with torch.inference_mode():
+        torch.testing.assert_close(placed(ids[:1]).logits, memory(ids[:1]).logits, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # rows not cached yet: copied into the cache the first forward made
+        torch.testing.assert_close(placed(ids[1:]).logits, memory(ids[1:]).logits, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("placement", ["memory", *PLACEMENTS])
 def test_two_threads_in_flight_each_get_their_own_rows(stem_dir, placement, host_on_cpu):
     """Both threads start a forward, then meet before the first STEM layer: a hand-off of ids shared

@@ -109,18 +109,39 @@ def test_codec_errors_name_the_problem():
 # --- convert and compress --------------------------------------------------------------------------
 
 
+# host: ids fit its device cache (read from the cache; every decode step) or do not (rows staged for the forward)
+PLACEMENTS = {"memory": {}, "mmap": {}, "host, staged": {"stem_cache_rows": 8}, "host, cached": {"stem_cache_rows": VOCAB}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", *COMPRESSED])
+def test_every_placement_with_every_table_format_gives_the_logits_of_memory(float_dir, compressed, dtype, ids,
+                                                                           host_on_cpu):
+    """Each placement and path, twice (the second time from the host cache where it holds the rows), then a
+    decode step of one token per sequence, which the cache always holds."""
+    folder = float_dir if dtype == "float32" else compressed(dtype)
+    step = ids[:, -1:]
+    with torch.no_grad():
+        memory = load(folder)
+        expected = memory(ids).logits, memory(step).logits
+        for placement, kwargs in PLACEMENTS.items():
+            model = load(folder, placement.split(",")[0], **kwargs)
+            for _ in range(2):
+                torch.testing.assert_close(model(ids).logits, expected[0], rtol=0, atol=1e-6, msg=placement)
+            torch.testing.assert_close(model(step).logits, expected[1], rtol=0, atol=1e-6, msg=placement)
+            if placement.startswith("host"):
+                cached = model.stem_placement.stats["hits"] > 0
+                assert cached == (placement == "host, cached"), model.stem_placement.stats
+
+
 @pytest.mark.parametrize("dtype", COMPRESSED)
-def test_compressed_tables_give_every_placement_the_same_logits_close_to_float(float_dir, compressed, dtype, ids,
-                                                                              host_on_cpu):
+def test_compressed_tables_decode_within_their_bound_of_the_float_rows(float_dir, compressed, dtype, ids):
     out = compressed(dtype)
     config = json.loads((out / "config.json").read_text())
     assert config["stem_table_format"] == {"dtype": dtype, "block_size": BLOCK}
     reference = load(float_dir)
     with torch.no_grad():
         expected = reference(ids).logits
-        got = {placement: load(out, placement, stem_cache_rows=8)(ids).logits for placement in ("memory", "mmap", "host")}
-    for placement, logits in got.items():
-        torch.testing.assert_close(logits, got["memory"], rtol=0, atol=1e-6, msg=placement)
+        got = {"memory": load(out)(ids).logits}
     # rows decoded from the files are the float rows within the codec's bound, and so are the logits
     table_format = TableFormat.of(dtype, BLOCK)
     float_rows = reference.model.layers[0].mlp.up_table.weight.detach()

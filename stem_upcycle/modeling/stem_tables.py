@@ -383,7 +383,8 @@ class HeldTables(RowAccess):
     def begin(self, forward: ForwardIds) -> None:
         for layer, mlp in self.mlps.items():
             device = _home(mlp)[0]
-            self.tables[layer] = {name: part.to(device) for name, part in self.tables[layer].items()}
+            with torch.inference_mode(False):  # held for later forwards and edits, outside inference mode too
+                self.tables[layer] = {name: part.to(device) for name, part in self.tables[layer].items()}
 
     def rows(self, layer: int, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         parts = self.tables[layer]
@@ -499,8 +500,9 @@ class HostTables(RowAccess):
             cache = self.cache.get(layer)
             if cache is None or any(c.device != device or (c.shape[1], c.dtype) != wanted[n] for n, c in cache.items()):
                 self.invalidate()
-                self.cache[layer] = {name: torch.empty(self.capacity, width, device=device, dtype=kind)
-                                     for name, (width, kind) in wanted.items()}
+                with torch.inference_mode(False):  # kept for later forwards, which may run outside inference mode
+                    self.cache[layer] = {name: torch.empty(self.capacity, width, device=device, dtype=kind)
+                                         for name, (width, kind) in wanted.items()}
 
     def _admit(self, unique: torch.Tensor) -> torch.Tensor | None:
         """Slots for `unique` (sorted ids): cached ones where they are, missing ones in the slots of the
@@ -540,7 +542,7 @@ class HostTables(RowAccess):
                     if slots is None:
                         staged.setdefault(layer, {})[name] = moved
                     else:
-                        self.cache[layer][name].index_copy_(0, slots_on[device], moved)
+                        _bytes(self.cache[layer][name]).index_copy_(0, slots_on[device], _bytes(moved))
                 if stream is not None:
                     events[device] = self._last_copies[device] = stream.record_event()
         return staged, events
@@ -603,6 +605,11 @@ def _cached_dtype(name: str, part: torch.Tensor, compute: torch.dtype) -> torch.
     """What a device cache holds a stored part in: float rows (`weight`) in the compute dtype, the
     parts of compressed rows as stored."""
     return compute if name == "weight" else part.dtype
+
+
+def _bytes(part: torch.Tensor) -> torch.Tensor:
+    """A one-byte part as uint8, for the copies that have no float8 kernel in torch (`index_copy_`)."""
+    return part.view(torch.uint8) if part.element_size() == 1 else part
 
 
 def _gather(source: torch.Tensor, ids: torch.Tensor, pin: bool) -> torch.Tensor:
