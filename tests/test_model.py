@@ -170,13 +170,16 @@ def test_first_tokens_of_a_packed_row_are_where_the_positions_restart():
 
 
 def test_the_base_model_works_when_its_forward_is_called_directly(tmp_path, ids):
-    """As vLLM calls it: `forward`, not `__call__`, so no forward hook runs."""
-    tiny_stem().save_pretrained(tmp_path / "m")
+    """As vLLM calls it: `forward`, not `__call__`, so no forward hook runs. Its rows are those of its own ids, not
+    of the forward before: compared with the causal LM, whose base model is handed its ids by hooks."""
+    model = tiny_stem()
+    model.save_pretrained(tmp_path / "m")
     base = AutoModel.from_pretrained(tmp_path / "m").eval()
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     with torch.no_grad():
+        base.forward(input_ids=ids.flip(1), position_ids=positions, use_cache=False)  # other ids, just before
         torch.testing.assert_close(base.forward(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state,
-                                   base(ids).last_hidden_state, rtol=0, atol=0)
+                                   model(ids, output_hidden_states=True).hidden_states[-1], rtol=0, atol=0)
 
 
 def test_a_model_built_from_its_config_reads_the_tables_the_config_asks_for(tmp_path, ids):
