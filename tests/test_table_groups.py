@@ -140,6 +140,29 @@ def test_a_forward_reads_and_advises_each_groups_rows_once(layer_major, grouped,
     assert read[grouped] == read[layer_major] == 80 * 3 * D_FF * 4
 
 
+def test_whole_tables_read_in_ranges_read_each_groups_bytes_once_with_rows_set_on_the_model(layer_major, grouped,
+                                                                                          monkeypatch):
+    """What training's shared copy, `compress` and the statistics read: each table by ranges of rows."""
+    import os
+
+    read = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: read.append(sum(map(len, buffers))) or
+                        preadv(fd, buffers, offset))
+    new = torch.randn(2, D_FF)
+    tables = {}
+    for path in (layer_major, grouped):
+        placed = load(path).stem_placement
+        placed.set_rows(1, torch.tensor([3, 70]), new)  # shadow the files' rows, as a run-time edit does
+        read.clear()
+        tables[path] = {layer: torch.cat([placed.read_range(layer, a, min(a + 40, VOCAB)) for a in range(0, VOCAB, 40)])
+                        for layer in (0, 1, 2)}
+        assert sum(read) == 3 * VOCAB * D_FF * 4, path  # every table's rows once, not a group's once per layer
+    for layer in (0, 1, 2):
+        torch.testing.assert_close(tables[grouped][layer], tables[layer_major][layer], rtol=0, atol=0)
+    assert torch.equal(tables[grouped][1][[3, 70]], new)
+
+
 def test_compress_turns_groups_back_into_a_tensor_per_table_byte_for_byte(layer_major, grouped, tmp_path, ids):
     back = tmp_path / "back"
     result = run("compress", grouped, back, "--layer-groups", 1, "--quiet")

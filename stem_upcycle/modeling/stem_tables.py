@@ -30,7 +30,7 @@ from torch import nn
 
 from .forward_ids import ForwardIds, check_ids
 from .table_files import (StemTablesError, StoredTable, TableFile, advise_rows, checkpoint_files, locate_table_groups,
-                          locate_tables, locate_tensor, read_rows, read_whole)
+                          locate_tables, locate_tensor, read_columns, read_rows, read_whole)
 from .table_format import TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
@@ -169,6 +169,7 @@ class MmapTables(RowAccess):
     def __init__(self, stored: dict[int, StoredTable]):
         self.stored = stored
         self._fds = {}  # file -> this placement's descriptor of it
+        self._sequential_fds = {}  # file -> a descriptor that reads ahead (`_sequential_fd`)
         for table in stored.values():
             for part in table.parts.values():
                 self._open(part.path)
@@ -185,6 +186,13 @@ class MmapTables(RowAccess):
             self._fds[path] = fd = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # cold reads: no readahead around rows
             weakref.finalize(self, os.close, fd)
+
+    def _sequential_fd(self, path: str) -> int:
+        """A descriptor of `path` that reads ahead, for whole tables read in order (`read_range`)."""
+        if path not in self._sequential_fds:
+            self._sequential_fds[path] = fd = os.open(path, os.O_RDONLY)
+            weakref.finalize(self, os.close, fd)
+        return self._sequential_fds[path]
 
     def leave_first_token_up(self, projections: dict[int, tuple[TableFile, TableFile | None]]) -> None:
         """Per STEM layer, (weight, bias or None) of its dense first-token up-projection, which stays in
@@ -231,7 +239,10 @@ class MmapTables(RowAccess):
         parts, reads = started
         for read in reads:
             read.result()
-        parts = self.stored[layer].own(parts)  # a grouped table's columns of its group's rows
+        return self._overlaid(layer, ids, self.stored[layer].own(parts))  # a grouped table's columns of its group's
+
+    def _overlaid(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The table's stored rows `parts` of `ids` [n], with the rows set on the loaded model in their place."""
         overlay = self.overlay.get(layer)
         if overlay is not None:
             where = torch.searchsorted(overlay["ids"], ids).clamp(max=overlay["ids"].numel() - 1)
@@ -260,11 +271,22 @@ class MmapTables(RowAccess):
                 advise_rows(self._fds[where.path], where, rows)
 
     def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
-        """[stop - start, d_ff] rows start..stop-1, decoded, in one positioned read per part (nothing is mapped)."""
+        """[stop - start, d_ff] rows start..stop-1, decoded, in one positioned read per part (nothing is mapped). Of
+        a table stored in a group, its own columns alone, a read per row: whole-table readers (training's shared
+        copy, `compress`, statistics) read a table after another, and reading the group's rows for each of its
+        layers read the group as many times as it has layers."""
         table = self.stored[layer]
         if not 0 <= start <= stop <= table.shape[0]:
             raise ValueError(f"rows {start}..{stop - 1} lie outside the table's {table.shape[0]} rows")
-        return table.format.decode(self.read_parts(layer, torch.arange(start, stop, device="cpu")), table.float_dtype)
+        ids = torch.arange(start, stop, device="cpu")
+        if table.columns is None:
+            parts = self.read_parts(layer, ids)
+        else:  # grouped tables hold float rows: one part
+            where = table.parts["weight"]
+            rows = torch.empty(stop - start, table.shape[1], dtype=where.dtype, device="cpu")
+            read_columns(self._sequential_fd(where.path), where, start, table.columns, rows)
+            parts = self._overlaid(layer, ids, {"weight": rows})
+        return table.format.decode(parts, table.float_dtype)
 
     def set_parts(self, layer: int, ids: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """Stored rows of `ids` [n] from now on, held in memory (the files stay as they are); of an id

@@ -248,6 +248,25 @@ def read_rows(fd: int, table: TableFile, ids: torch.Tensor, out: torch.Tensor) -
             done += got
 
 
+def read_columns(fd: int, table: TableFile, start: int, columns: tuple[int, int], out: torch.Tensor) -> None:
+    """Columns `columns` (first, stop) of rows start.. of `table` into `out` [rows, stop - first], one positioned
+    read per row: a grouped table's own share of its group's rows, which lie apart in the file. The rows' range is
+    asked of the disk first, in one advice, and `fd` should read ahead (the kernel's default): without either, as
+    `MmapTables` opens files for a forward's rows, a cold table waits on the disk once per row, 3-4x slower than
+    a read of the group's rows whole (benchmarks/whole_tables.py)."""
+    buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    size = (columns[1] - columns[0]) * table.dtype.itemsize
+    os.posix_fadvise(fd, table.offset + start * table.row_bytes, out.shape[0] * table.row_bytes, os.POSIX_FADV_WILLNEED)
+    offset = table.offset + start * table.row_bytes + columns[0] * table.dtype.itemsize
+    for i in range(out.shape[0]):
+        view, at, done = buffer[i * size : (i + 1) * size], offset + i * table.row_bytes, 0
+        while done < size:
+            got = os.preadv(fd, [view[done:]], at + done)
+            if not got:
+                raise StemTablesError(f"{table.path} ended while reading table rows; download or export it again")
+            done += got
+
+
 def advise_rows(fd: int, table: TableFile, ids: torch.Tensor) -> None:
     """Ask the kernel to start reading rows `ids` [n] of `table` into the page cache, and return without
     waiting (posix_fadvise(WILLNEED), one call per run of consecutive ids). The reads of rows not yet
