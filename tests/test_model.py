@@ -182,8 +182,9 @@ def test_the_base_model_works_when_its_forward_is_called_directly(tmp_path, ids)
                                    model(ids, output_hidden_states=True).hidden_states[-1], rtol=0, atol=0)
 
 
-def test_a_model_built_from_its_config_reads_the_tables_the_config_asks_for(tmp_path, ids):
+def test_a_model_built_from_its_config_reads_the_tables_the_config_asks_for(tmp_path, ids, monkeypatch):
     """vLLM builds models with from_config; `hf_overrides={"stem_tables": "mmap"}` keeps the tables in their files."""
+    import huggingface_hub.constants
     from transformers import AutoConfig
 
     from stem_upcycle.modeling.table_files import StemTablesError
@@ -196,8 +197,9 @@ def test_a_model_built_from_its_config_reads_the_tables_the_config_asks_for(tmp_
         assert torch.equal(built.stem_table_rows(layer, ids[0]), model.stem_table_rows(layer, ids[0]))
     assert AutoModel.from_config(AutoConfig.from_pretrained(tmp_path / "m")).stem_tables == "memory"  # as asked
     config = AutoConfig.from_pretrained(tmp_path / "m", stem_tables="mmap")
-    config._name_or_path = "someone/stem-model"
-    with pytest.raises(StemTablesError, match="is no local folder"):
+    config._name_or_path = "someone/stem-model"  # neither cached nor reachable: offline
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(StemTablesError, match="neither a local folder nor a hub id whose files can be fetched"):
         AutoModel.from_config(config)
 
 

@@ -151,17 +151,21 @@ _loading = threading.local()
 def placement_of_config(config):
     """The placement of a model built from its config alone (`from_config`, as vLLM builds models): None
     (tables in memory, as parameters), unless `config.stem_tables` asks for mmap or host; then the tables
-    are read from the checkpoint the config was loaded from (`config._name_or_path`, a local folder), as
-    `from_pretrained` would (tables stored in groups of layers: `memory` holds them as read, not as
-    parameters). With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
+    are read from the checkpoint the config was loaded from (`config._name_or_path`: a local folder, or a hub id
+    whose files are fetched as `from_pretrained` fetches them), as `from_pretrained` would (tables stored in groups
+    of layers: `memory` holds them as read, not as parameters). With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
     grouped = bool(getattr(config, "stem_table_groups", None))
     if config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None and not grouped:
         return None
-    if not os.path.isdir(config._name_or_path or ""):
-        raise StemTablesError(f"stem_tables={config.stem_tables!r} in a model built from its config reads the tables "
-                              f"of the checkpoint the config came from, and {config._name_or_path!r} is no local "
-                              f"folder; load the config from the checkpoint's folder")
-    return open_tables(config._name_or_path, config, {}, from_config=True)
+    source = config._name_or_path or ""
+    try:
+        return open_tables(source, config, {}, from_config=True)
+    except (OSError, ValueError) as err:  # no such folder, nor a hub id whose files could be fetched
+        if isinstance(err, StemTablesError):
+            raise
+        raise StemTablesError(f"a model built from its config reads its tables from the checkpoint the config came "
+                              f"from, and {source!r} is neither a local folder nor a hub id whose files can be "
+                              f"fetched ({type(err).__name__}); load the config from the checkpoint's folder or id") from None
 
 
 def _with_pattern(patterns, pattern: str):

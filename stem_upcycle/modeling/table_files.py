@@ -187,20 +187,28 @@ def locate_tensor(checkpoint_files: dict[str, str], suffix: str, shape: tuple[in
 
 
 def checkpoint_files(pretrained_model_name_or_path, hub_kwargs: dict) -> dict[str, str] | None:
-    """Tensor name -> local safetensors file of a checkpoint (a directory or a hub id already downloaded),
-    or None when it has no safetensors files (tables can then only be loaded into memory)."""
+    """Tensor name -> local safetensors file of a checkpoint (a directory, or a hub id: its files downloaded as
+    `from_pretrained` downloads them, or found in the cache), or None when it has no safetensors files (tables can
+    then only be loaded into memory). Runs before Transformers fetches the weights: the tables are located first."""
     from transformers.utils import cached_file
+    from transformers.utils.hub import get_checkpoint_shard_files
 
     def find(filename):
         return cached_file(pretrained_model_name_or_path, filename, _raise_exceptions_for_missing_entries=False,
                            **hub_kwargs)
 
+    if not os.path.isdir(pretrained_model_name_or_path):  # a hub id neither cached nor reachable raises OSError here,
+        cached_file(pretrained_model_name_or_path, "config.json", **hub_kwargs)  # not "no safetensors files" below
     index = find("model.safetensors.index.json")
     if index:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        folder = os.path.dirname(index)
-        return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+        # every shard, fetched by Transformers' own resolution (a hub id's shards are not downloaded yet); the
+        # weights' load then finds them in the cache
+        shards, _ = get_checkpoint_shard_files(pretrained_model_name_or_path, index, **hub_kwargs)
+        local = {os.path.basename(shard): shard for shard in shards}
+        return {name: local.get(os.path.basename(shard), os.path.join(os.path.dirname(index), shard))
+                for name, shard in weight_map.items()}
     single = find("model.safetensors")
     if single:
         header, _ = read_header(single)
