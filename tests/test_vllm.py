@@ -52,12 +52,12 @@ def converted(tmp_path_factory):
     return out, expected, tokenizer
 
 
-def vllm_greedy(path, tables: str | None) -> dict:
+def vllm_greedy(path, tables: str | None, env: dict | None = None) -> dict:
     """{prompt: token ids} of vLLM's greedy continuations (examples/vllm_generate.py); `tables`: the placement,
-    None for the model's default."""
+    None for the model's default; `env`: added to the process's environment."""
     command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *PROMPTS,
                "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512", *(["--tables", tables] if tables else [])]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=ENV)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**ENV, **(env or {})})
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return {r["prompt"]: r["token_ids"] for r in map(json.loads, filter(lambda l: l.startswith("{"),
                                                                          result.stdout.splitlines()))}
@@ -83,6 +83,30 @@ def test_tables_a_tensor_per_table_serve_the_same_greedy_text(converted, tables)
         result = CliRunner().invoke(main, ["compress", str(path), str(out), "--layer-groups", "1", "--quiet"])
         assert result.exit_code == 0, result.output
     assert vllm_greedy(out, tables) == expected
+
+
+@pytest.mark.parametrize("tables", [None, "mmap"])
+def test_a_sharded_model_is_served_by_hub_id(converted, tables, tmp_path):
+    """By id from a Hub served locally (tests/hub_server.py), into an empty cache: the tables, read before vLLM
+    fetches the weights, are fetched first (grouped tables: held as read by default; mmap: read from the files)."""
+    from stem_upcycle.cli import main
+
+    from .hub_server import LocalHub
+
+    path, expected, _ = converted
+    sharded = path.parent / "sharded"
+    if not sharded.exists():
+        result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(sharded), "--layers", "0,15,21",
+                                           "--max-shard-size", "300MB", "--quiet"])  # `converted`, in shards
+        assert result.exit_code == 0, result.output
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    hub = LocalHub({"someorg/smollm2-stem": sharded})
+    try:
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "0",
+               "HF_HUB_DISABLE_XET": "1"}
+        assert vllm_greedy("someorg/smollm2-stem", tables, env) == expected
+    finally:
+        hub.close()
 
 
 @pytest.fixture(scope="module")
