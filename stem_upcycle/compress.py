@@ -22,7 +22,7 @@ from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table
 from .atomic import write_staged
 from .families import STEM_TABLE_PREFIX, layer_name
 from .loading import stem_tables
-from .modeling.table_files import TABLE_GROUP_PREFIX
+from .modeling.table_files import is_table_tensor
 from .modeling.table_format import TableFormat
 from .shards import INDEX_NAME, TensorSpec, plan_shards
 from .source import Source
@@ -45,7 +45,7 @@ class CompressionPlan:
 
     def table_bytes(self) -> tuple[int, int]:
         """(bytes of the tables now, bytes of them in the new format)."""
-        now = sum(self.source.tensors.nbytes(n) for n in self.source.tensors.names() if _is_table(n))
+        now = sum(self.source.tensors.nbytes(n) for n in self.source.tensors.names() if is_table_tensor(n))
         return now, sum(s.nbytes for s in self.specs if isinstance(self.producers[s.name], (Table, TableGroup)))
 
     def describe(self) -> str:
@@ -64,17 +64,6 @@ class CompressionPlan:
 
 def _size(count: int) -> str:
     return f"{count / 1e9:.3f} GB" if count >= 1e9 else f"{count / 1e6:.3f} MB"
-
-
-def _table_layer(name: str) -> int | None:
-    """The layer of a table tensor (any part), else None."""
-    head, found, _ = name.partition("." + STEM_TABLE_PREFIX + ".")
-    return int(head.rsplit(".", 1)[1]) if found and head.rsplit(".", 1)[1].isdigit() else None
-
-
-def _is_table(name: str) -> bool:
-    """A table's tensor, or a group's of tables (`config.stem_table_groups`)."""
-    return _table_layer(name) is not None or f".{TABLE_GROUP_PREFIX}." in f".{name}"
 
 
 def plan_compression(source: Source, table_dtype: str | None, block_size: int | None = None,
@@ -101,7 +90,7 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
     tensors, vocab, d_ff = source.tensors, cfg.vocab_size, cfg.intermediate_size
     placed_at = {}  # output name -> (sort key, spec, producer): every table where its layer's tensors are
     for name in tensors.names():
-        if not _is_table(name):
+        if not is_table_tensor(name):
             placed_at[name] = (tensor_order_key(name), TensorSpec(name, tuple(tensors.shape(name)), tensors.dtype(name)),
                                Copy(name))
     for k, group in enumerate(groups or []):

@@ -316,7 +316,9 @@ def table_group_name(k: int) -> str:
 
 # Tensors that only quantized checkpoints hold: per-block or per-channel scales, packed integer weights.
 QUANTIZATION_TENSORS = ("weight_scale", "weight_scale_inv", "input_scale", ".scales", ".qweight", ".qzeros", ".absmax")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# The dtypes of a dense checkpoint's weights as they are: float8 or integer weights are quantized ones (the tables'
+# own float dtypes are table_format.FLOAT_DTYPES)
+UNQUANTIZED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check_mlp_tensors(source: Source, family: Family) -> None:
@@ -351,7 +353,7 @@ def _refuse_quantized(source: Source, family: Family) -> None:
     they are. A label over tensors that are not the model's (missing or misshapen) is refused as quantized."""
     tensors = source.tensors
     scales = next((n for n in tensors.names() if n.endswith(QUANTIZATION_TENSORS)), None)
-    packed = next((n for n in tensors.names() if n.endswith(".weight") and tensors.dtype(n) not in FLOAT_DTYPES), None)
+    packed = next((n for n in tensors.names() if n.endswith(".weight") and tensors.dtype(n) not in UNQUANTIZED_DTYPES), None)
     found = f"tensor {scales}" if scales else f"{packed} in {tensors.dtype(packed)}" if packed else None
     quantization = getattr(source.config, "quantization_config", None)
     if quantization and not found:

@@ -3,9 +3,9 @@
 import math
 from dataclasses import asdict, dataclass
 
-from .families import EMBEDDING, STEM_TABLE_PREFIX, STEM_UP, family_for, layer_name
+from .families import EMBEDDING, STEM_UP, family_for, layer_name
 from .modeling.stem_tables import DEFAULT_CACHE_ROWS
-from .modeling.table_files import TABLE_GROUP_PREFIX
+from .modeling.table_files import is_table_tensor
 from .modeling.table_format import TableFormat
 from .source import Source
 
@@ -89,8 +89,7 @@ def summarize(source: Source) -> Summary:
     tied_head = vocab * d if getattr(cfg, "tie_word_embeddings", False) and EMBEDDING in tensors else 0
     unread = (vocab - 1) * d if EMBEDDING in tensors else 0
     # A table's tensors: float rows, or compressed values and scales; a token reads one row of each.
-    tables = [n for n in tensors.names() if any(n.startswith(layer_name(i, STEM_TABLE_PREFIX + ".")) for i in stem_layers)
-              or f".{TABLE_GROUP_PREFIX}." in f".{n}"]  # or groups of them (config.stem_table_groups)
+    tables = [n for n in tensors.names() if is_table_tensor(n)]  # or groups of them (config.stem_table_groups)
     unread += sum(math.prod(tensors.shape(n)) // vocab * (vocab - 1) for n in tables)
     # A STEM layer's up-projection, where kept (`--first-token dense`), is read for a sequence's first token only.
     unread += sum(math.prod(tensors.shape(n)) for i in stem_layers if (n := layer_name(i, STEM_UP + ".weight")) in tensors)

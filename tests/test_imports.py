@@ -38,3 +38,20 @@ def test_no_module_imports_back_into_a_module_that_imports_it():
 
     circles = sorted((a, b) for a in graph for b in graph[a] if reaches(b, a, set()))
     assert circles == [], f"import circles through these imports: {circles}"
+
+
+def test_every_module_of_the_modeling_package_is_exported_and_imports_only_torch_transformers_and_the_stdlib():
+    """What `convert` copies next to the weights is the whole modeling package, and it runs where stem-upcycle is
+    not installed (tests/test_remote_code.py loads it so)."""
+    import sys
+
+    from stem_upcycle.convert import MODELING_DIR, MODELING_FILES
+
+    modules = sorted(p.name for p in MODELING_DIR.glob("*.py") if p.name != "__init__.py")
+    assert sorted(MODELING_FILES) == modules
+    for name in modules:
+        for node in ast.walk(ast.parse((MODELING_DIR / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level or isinstance(node, ast.Import):
+                roots = {node.module.split(".")[0]} if isinstance(node, ast.ImportFrom) else \
+                    {a.name.split(".")[0] for a in node.names}
+                assert roots <= {"torch", "transformers"} | sys.stdlib_module_names, (name, roots)

@@ -16,7 +16,6 @@ Exported next to the weights, so it imports only torch and transformers.
 """
 
 import copy
-import os
 import threading
 
 import torch
@@ -30,7 +29,7 @@ import transformers
 from .configuration_stem import StemConfig
 from .forward_ids import IdHandoff, RowEdit, cached_length, check_ids, first_tokens
 from .stem_tables import MappedLinear, PlacedTable, fill_tables, grouped_tables, open_tables
-from .table_files import TABLE_GROUP_PREFIX, StemTablesError
+from .table_files import TABLE_TENSOR, StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
 HUB_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "subfolder")
@@ -267,7 +266,7 @@ class _StemDispatch:
         super().post_init()
         groups = getattr(_loading, "groups", None) if loading else None
         if placement is not None or groups:  # the tables in the checkpoint are not this model's parameters
-            table = rf"mlp\.up_table\.(weight|qweight|scales)|{TABLE_GROUP_PREFIX}\.\d+\.weight"
+            table = TABLE_TENSOR
             if getattr(placement, "first_token_up", None):  # and nor are the up-projections left in the files;
                 # vLLM skips the keys these patterns match (Transformers only keeps quiet about them), so no
                 # dense layer's up_proj may match

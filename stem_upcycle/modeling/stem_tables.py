@@ -30,7 +30,7 @@ from torch import nn
 
 from .forward_ids import ForwardIds, check_ids
 from .table_files import (StemTablesError, StoredTable, TableFile, advise_rows, checkpoint_files, locate_table_groups,
-                          locate_tables, locate_tensor, read_columns, read_rows, read_whole)
+                          locate_tables, locate_tensor, read_columns, read_rows, read_whole, stored_tensors)
 from .table_format import TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
@@ -257,11 +257,10 @@ class MmapTables(RowAccess):
         (left in the files: a page cache that lost it would read it at the layer, 3.5 MB for SmolLM2, while
         the forward waits), in the order the forward runs the layers, until the forward is over; a group's
         rows (`config.stem_table_groups`) once."""
-        advised = set()
+        first_reader = {where: layers[0] for where, layers in stored_tensors(self.stored).items()}
         for layer in sorted(self.stored):
             reads = [(where, ids) for name, where in self.stored[layer].parts.items()
-                     if name not in self.resident[layer] and where not in advised]
-            advised.update(where for where, _ in reads)
+                     if name not in self.resident[layer] and first_reader[where] == layer]
             if layer in self.first_token_up:  # the whole weight, in one run; its bias, a few kB, is read when used
                 weight = self.first_token_up[layer][0]
                 reads.insert(0, (weight, torch.arange(weight.shape[0])))
@@ -339,7 +338,7 @@ class RowPrefetch:
         self.layers = iter(sorted(tables.stored))  # in the order the forward runs them
         self.started = {}  # layer -> (parts being read, reads in flight)
         self.shared = {}  # stored tensor -> (its rows being read, the reads): a group's, for each of its layers
-        self.readers = Counter(where for table in tables.stored.values() for where in table.parts.values())
+        self.readers = Counter({where: len(layers) for where, layers in stored_tensors(tables.stored).items()})
         self.done = False  # the forward is over: the advice stops
         self.advice = tables.pool().submit(tables.advise, ids, self) if ids.numel() >= MIN_ROWS_PER_READ_TASK else None
         for _ in range(LOOKAHEAD_LAYERS):
@@ -603,17 +602,11 @@ class HostTables(RowAccess):
             self.leases[forward.plan.pop("leased")] -= 1
 
 
-
 def read_tables(stored: dict[int, StoredTable]) -> dict[int, dict[str, torch.Tensor]]:
     """Per layer, its table's stored parts read whole into host memory; a group's tensor
     (`config.stem_table_groups`) once, each of its layers' tables a view of its columns."""
-    read, tables = {}, {}  # TableFile -> the tensor read; layer -> {part: its rows}
-    for layer, table in stored.items():
-        for where in table.parts.values():
-            if where not in read:
-                read[where] = read_whole(where)
-        tables[layer] = table.own({name: read[where] for name, where in table.parts.items()})
-    return tables
+    read = {where: read_whole(where) for where in stored_tensors(stored)}
+    return {layer: table.own({name: read[where] for name, where in table.parts.items()}) for layer, table in stored.items()}
 
 
 def _home(mlp) -> tuple[torch.device, torch.dtype]:
@@ -698,10 +691,7 @@ def fill_tables(weights: dict[int, torch.Tensor], stored: dict[int, StoredTable]
         raise StemTablesError("tables stored in groups of layers are copied into parameters at load, and a device_map "
                               "left some on the meta device (offloaded); load with stem_tables='mmap', or store a "
                               "tensor per table: `stem-upcycle compress MODEL OUT --layer-groups 1`")
-    groups = {}  # TableFile -> the layers whose tables it holds
-    for layer, table in stored.items():
-        groups.setdefault(table.parts["weight"], []).append(layer)
-    for where, layers in groups.items():
+    for where, layers in stored_tensors(stored).items():  # float tables: a part each, `weight`
         step = max(1, chunk_bytes // where.row_bytes)
         fd = os.open(where.path, os.O_RDONLY)
         try:

@@ -7,6 +7,7 @@ Exported next to the weights, so it imports only torch, transformers and the sta
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -25,6 +26,14 @@ SAFETENSORS_DTYPES = {
 
 # A group of tables (`config.stem_table_groups`) is the tensor `<base prefix>.stem_table_groups.K.weight`.
 TABLE_GROUP_PREFIX = "stem_table_groups"
+# The name of every tensor that holds table rows, whatever the base model's prefix: a table's own (float rows, or
+# compressed values and scales: table_format.py) or a group's. The one test of it: `is_table_tensor`, and Transformers'
+# and vLLM's loaders skip what it matches where the tables are not parameters.
+TABLE_TENSOR = rf"(^|\.)layers\.\d+\.mlp\.up_table\.(weight|qweight|scales)$|(^|\.){TABLE_GROUP_PREFIX}\.\d+\.weight$"
+
+
+def is_table_tensor(name: str) -> bool:
+    return re.search(TABLE_TENSOR, name) is not None
 
 
 class StemTablesError(ValueError):
@@ -77,6 +86,16 @@ class StoredTable:
     def float_dtype(self) -> torch.dtype:
         """The dtype rows are read in: a float table's own; float32 for a compressed one."""
         return torch.float32 if self.format.compressed else self.parts["weight"].dtype
+
+
+def stored_tensors(stored: dict[int, StoredTable]) -> dict[TableFile, list[int]]:
+    """Each tensor the tables are stored in, and the STEM layers whose rows it holds (several: a group's,
+    `config.stem_table_groups`), in layer order: where every reader learns what to read once for several layers."""
+    tensors = {}
+    for layer in sorted(stored):
+        for where in stored[layer].parts.values():
+            tensors.setdefault(where, []).append(layer)
+    return tensors
 
 
 def read_header(path: str) -> tuple[dict, int]:

@@ -10,11 +10,12 @@ staged in a hidden directory and moved into OUTPUT only when all are written, co
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from ..convert import resolve_dtype, table_group_name, tensor_order_key
+from ..convert import resolve_dtype, side_by_side, table_group_name, tensor_order_key
 from ..modeling.table_files import checkpoint_files, read_header
 from ..families import STEM_TABLE, layer_name
 from ..atomic import staging_dir
@@ -33,14 +34,18 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
     that a bf16 model does not come back in the fp32 its training copy was converted to)."""
     init = open_source(str(init_dir))
     dtype = resolve_dtype(recipe.model.export_dtype, source)
+    d_ff = init.config.intermediate_size
     groups = {table_group_name(k): group for k, group in enumerate(getattr(init.config, "stem_table_groups", None) or [])}
-    by_layer, tables = tables, {layer_name(i, STEM_TABLE): t for i, t in tables.items()}
-    for name, group in groups.items():  # the tables of a group side by side, as `convert` stores them
-        tables[name] = GroupRows([by_layer[i] for i in group])
+    # the tables of a group side by side, as `convert` stores them, a few rows at a time: joined whole, a group of
+    # Llama-3.2-1B tables would take 21 GB at once
+    group_rows = {name: side_by_side([partial(_copy_rows, tables[i]) for i in group], d_ff) for name, group in groups.items()}
+    shapes = {name: (tables[group[0]].shape[0], len(group) * d_ff) for name, group in groups.items()}
+    tables = {layer_name(i, STEM_TABLE): t for i, t in tables.items()}
     specs = []
     for name in stored_order(init):
         value = tables.get(name, state.get(name))
-        if value is None or tuple(value.shape) != init.tensors.shape(name):
+        shape = shapes.get(name, None if value is None else tuple(value.shape))
+        if shape is None or shape != init.tensors.shape(name):
             raise RuntimeError(f"the trained model has no tensor {name} shaped like the converted one")
         stored = init.tensors.dtype(name)
         specs.append(TensorSpec(name, init.tensors.shape(name), dtype if stored.is_floating_point else stored))
@@ -48,12 +53,13 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
     try:
         writer = ShardWriter(staging, plan_shards(specs, MAX_SHARD_BYTES))
         for spec in specs:
-            value = tables.get(spec.name, state.get(spec.name))
-            if isinstance(value, GroupRows):
-                for start in range(0, value.shape[0], ROWS_PER_WRITE):
-                    writer.write(spec.name, value.rows(start, start + ROWS_PER_WRITE).to(spec.dtype))
+            if spec.name in group_rows:
+                for start in range(0, spec.shape[0], ROWS_PER_WRITE):
+                    rows = torch.empty(min(ROWS_PER_WRITE, spec.shape[0] - start), spec.shape[1], dtype=spec.dtype)
+                    group_rows[spec.name](start, start + rows.shape[0], rows)
+                    writer.write(spec.name, rows)
             else:
-                writer.write(spec.name, value.detach().to("cpu", spec.dtype))
+                writer.write(spec.name, tables.get(spec.name, state.get(spec.name)).detach().to("cpu", spec.dtype))
         writer.close()
         for path in init.directory.iterdir():
             if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_NAME:
@@ -82,16 +88,9 @@ def stored_order(init) -> list[str]:
     return sorted(files, key=offset.__getitem__)
 
 
-class GroupRows:
-    """A group's tables [vocab, d_ff] each, read as one [vocab, len(tables) x d_ff] tensor a few rows at a
-    time: joined whole, a group of Llama-3.2-1B tables would take 21 GB at once."""
-
-    def __init__(self, tables: list[torch.Tensor]):
-        self.tables = tables
-        self.shape = (tables[0].shape[0], sum(t.shape[1] for t in tables))
-
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        return torch.cat([t[start:stop].detach().cpu() for t in self.tables], dim=1)
+def _copy_rows(table: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
+    """A table's rows start..stop-1 into `out`: a layer's `fill` for `side_by_side`."""
+    out.copy_(table[start:stop].detach())
 
 
 def _set_config_dtype(config: Path, dtype) -> None:
