@@ -137,3 +137,17 @@ def test_lora_on_a_mapped_model_trains_saves_and_reloads_leaving_the_tables_alon
     """)
     assert run_without_stem_upcycle(script, *exported, tmp_path / "adapter").splitlines()[-1] == "OK"
     assert (path / "model.safetensors").read_bytes() == table_bytes
+
+
+def test_the_tokenizer_loads_without_running_the_models_code(exported):
+    """Transformers 5's AutoTokenizer reads config.json through AutoConfig, which asks before running its code:
+    trust_remote_code=False skips the question, and the tokenizer (which needs no code) loads."""
+    from .conftest import save_tiny_tokenizer
+
+    save_tiny_tokenizer(exported[0])
+    out = run_without_stem_upcycle("""
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=False)
+        print(tokenizer("w1 w5 w9")["input_ids"])
+    """, exported[0])
+    assert out.splitlines()[-1] == "[1, 5, 9]" and "Do you wish to run" not in out

@@ -203,7 +203,7 @@ def digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_memory_and_host_read_grouped_tables_as_a_parameter_or_host_table_per_layer(layer_major, grouped, tmp_path,
+def test_memory_holds_grouped_tables_as_the_groups_parameters_and_host_as_host_tables(layer_major, grouped, tmp_path,
                                                                                      ids, host_on_cpu):
     with torch.no_grad():
         expected = load(layer_major, "memory")(ids).logits
@@ -211,35 +211,65 @@ def test_memory_and_host_read_grouped_tables_as_a_parameter_or_host_table_per_la
             model = load(grouped, placement)
             assert model.stem_tables == placement
             torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
-    # memory: a parameter per table, saved a tensor per table, as the model holds them
+    # memory: the groups' parameters, named as stored, saved as they were read; a row written is the group's
     model = load(grouped, "memory")
-    assert model.config.stem_table_groups is None
+    before = tensors(grouped)
+    assert {n for n, _ in model.named_parameters() if "table" in n} == {n for n in before if "stem_table_groups" in n}
+    model.set_stem_table_rows(1, torch.tensor([5]), torch.ones(1, D_FF))
+    assert torch.equal(model.model.stem_table_groups[0].weight[5, D_FF:], torch.ones(D_FF))
+    model.set_stem_table_rows(1, torch.tensor([5]), before["model.stem_table_groups.0.weight"][5:6, D_FF:])
     model.save_pretrained(tmp_path / "saved")
-    saved, before = tensors(tmp_path / "saved"), tensors(layer_major)
-    assert not any("stem_table_groups" in n for n in saved)
-    for layer in (0, 1, 2):
-        name = f"model.layers.{layer}.mlp.up_table.weight"
-        assert torch.equal(saved[name], before[name])
-    assert not json.loads((tmp_path / "saved" / "config.json").read_text()).get("stem_table_groups")
+    saved = tensors(tmp_path / "saved")
+    assert saved.keys() == before.keys() and all(torch.equal(saved[n], before[n]) for n in saved)
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["stem_table_groups"] == [[0, 1], [2]]
+    model.resize_token_embeddings(VOCAB + 4, mean_resizing=False)  # a new table per layer: no group is left
+    model.save_pretrained(tmp_path / "resized")
+    resized = tensors(tmp_path / "resized")
+    assert not any("stem_table_groups" in n for n in resized)
+    assert torch.equal(resized["model.layers.2.mlp.up_table.weight"][:VOCAB], before["model.stem_table_groups.1.weight"])
     # host: a group's tensor read once; each layer's table a view of its columns, written through by an edit
     host = load(grouped, "host").stem_placement
     assert host.tables[0]["weight"].untyped_storage().data_ptr() == host.tables[1]["weight"].untyped_storage().data_ptr()
     host.set_rows(1, torch.tensor([5]), torch.ones(1, D_FF))
     assert torch.equal(host.read_rows(1, torch.tensor([5, 6]))[0], torch.ones(D_FF))
-    assert torch.equal(host.read_rows(0, torch.tensor([5])), before["model.layers.0.mlp.up_table.weight"][5:6])
+    assert torch.equal(host.read_rows(0, torch.tensor([5])), before["model.stem_table_groups.0.weight"][5:6, :D_FF])
 
 
-def test_a_grouped_table_offloaded_to_the_meta_device_is_a_one_line_error_not_an_empty_parameter(grouped):
-    from stem_upcycle.modeling.stem_tables import fill_tables, grouped_tables
-    from stem_upcycle.modeling.table_files import StemTablesError
+@pytest.mark.parametrize("device_map", ["auto", "explicit"])
+def test_grouped_tables_in_memory_offloaded_to_disk_by_a_device_map_give_the_logits_of_memory(grouped, tmp_path, ids,
+                                                                                             device_map):
+    """accelerate places a group's parameter as any module's, and brings it in from disk when a layer reads it."""
+    if device_map == "auto":  # RAM for a third of the weights: the rest offloaded
+        kwargs = {"device_map": "auto", "max_memory": {"cpu": 40_000}}
+    else:
+        kwargs = {"device_map": {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu",
+                                 "model.rotary_emb": "cpu", "lm_head": "cpu", "model.stem_table_groups.0": "disk",
+                                 "model.stem_table_groups.1": "cpu"}}
+    offloaded = load(grouped, "memory", offload_folder=str(tmp_path / "offload"), **kwargs)
+    assert "disk" in offloaded.hf_device_map.values()
+    assert offloaded.model.stem_table_groups[0].weight.device.type == "meta"
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(ids).logits, load(grouped, "memory")(ids).logits, rtol=0, atol=0)
 
-    stored = grouped_tables(grouped, AutoConfig.from_pretrained(grouped), {})
-    weights = {layer: torch.empty(VOCAB, D_FF) for layer in stored}
-    fill_tables(weights, stored)
-    assert torch.equal(weights[2], tensors(grouped)["model.stem_table_groups.1.weight"])
-    weights[1] = torch.empty(VOCAB, D_FF, device="meta")  # what accelerate leaves of a layer offloaded to disk
-    with pytest.raises(StemTablesError, match="left some on the meta device .*stem_tables='mmap'"):
-        fill_tables(weights, stored)
+
+def test_a_model_built_from_a_grouped_config_has_the_groups_parameters_and_reads_no_file(grouped, monkeypatch):
+    """As any model built from its config (from_config, the class, init_empty_weights for a device map): its tables
+    are parameters to fill, train or save, and the checkpoint the config came from is not read."""
+    from accelerate import init_empty_weights
+
+    from stem_upcycle.modeling import table_files
+
+    cls = type(load(grouped, "mmap"))
+    monkeypatch.setattr(table_files, "read_header", lambda *a: pytest.fail("a model built from its config read a file"))
+    config = AutoConfig.from_pretrained(grouped)
+    config._name_or_path = "no/such-checkpoint"
+    names = {"model.stem_table_groups.0.weight": (VOCAB, 2 * D_FF), "model.stem_table_groups.1.weight": (VOCAB, D_FF)}
+    for build in (lambda: AutoModelForCausalLM.from_config(config), lambda: cls(config)):
+        model = build()
+        assert {n: tuple(p.shape) for n, p in model.named_parameters() if "table" in n} == names
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(config)
+    assert all(p.device.type == "meta" for n, p in empty.named_parameters() if "table" in n)
 
 
 def test_a_persistent_edit_of_grouped_tables_writes_the_rows_a_layer_major_edit_writes_and_undoes_exactly(
@@ -304,16 +334,20 @@ def test_grouped_tables_load_through_remote_code_alone(layer_major, grouped, tmp
         assert memory.stem_tables == "memory"
         with torch.no_grad():
             torch.testing.assert_close(memory(data["ids"]).logits, data["logits"], rtol=0, atol=0)
-        # vLLM builds the model from its config under a meta-device context; the rows come from the files
-        # by default in memory, as for a tensor per table, but held as read, not as parameters: a loader that fills
-        # parameters by name finds no table's
+        # vLLM builds the model from its config under a meta-device context, then fills its parameters by name from
+        # the files: in memory (the default) the groups' parameters, named as stored; with mmap, no table parameter
+        import glob
+        from safetensors.torch import load_file
+        stored = {k: v for f in glob.glob(path + "/*.safetensors") for k, v in load_file(f).items()}
         config = AutoConfig.from_pretrained(path, trust_remote_code=True)
         for placement in (None, "memory", "mmap"):
             config.stem_tables = placement
             with torch.device("meta"):
                 built = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
             assert built.stem_tables == (placement or "memory"), (placement, built.stem_tables)
-            assert not any("up_table" in n for n in built.state_dict())
+            tables = {n for n in built.state_dict() if "table" in n}
+            assert tables == (set() if placement == "mmap" else {n for n in stored if "stem_table_groups" in n}), tables
+            built.load_state_dict({k: v for k, v in stored.items() if k in built.state_dict()}, strict=False, assign=True)
             assert torch.equal(built.stem_table_rows(1, torch.arange(16)), model.stem_table_rows(1, torch.arange(16)))
     """, grouped, tmp_path / "data.pt")
 

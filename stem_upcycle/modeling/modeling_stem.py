@@ -28,7 +28,7 @@ import transformers
 
 from .configuration_stem import StemConfig
 from .forward_ids import IdHandoff, RowEdit, cached_length, check_ids, first_tokens
-from .stem_tables import MappedLinear, PlacedTable, fill_tables, grouped_tables, open_tables
+from .stem_tables import MappedLinear, PlacedTable, open_tables
 from .table_files import TABLE_TENSOR, StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
@@ -40,6 +40,39 @@ class MemoryTable(nn.Embedding):
 
     def forward(self, forward, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return super().forward(forward.on(self.weight.device)).to(device, dtype)  # [*lookup, d_ff]
+
+
+class TableGroup(nn.Embedding):
+    """The `memory` placement of the tables of a group of layers (`config.stem_table_groups`): one parameter
+    [vocab, len(group) x d_ff], named as the checkpoint names it (`model.stem_table_groups.K.weight`), so that
+    Transformers' and vLLM's loaders fill it by name, a device map places (or offloads) it as any module, and
+    save_pretrained writes the layout the config describes. Each layer reads its columns through `GroupColumns`."""
+
+    def forward(self, forward, columns: tuple[int, int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        # called, not read: accelerate brings an offloaded module's weight in around its forward
+        weight = self.weight[:, columns[0] : columns[1]]
+        return nn.functional.embedding(forward.on(weight.device), weight).to(device, dtype)  # [*lookup, d_ff]
+
+
+class GroupColumns(nn.Module):
+    """A STEM MLP's `up_table` in memory when its table is stored in a group: the layer's columns of the group's
+    parameter (not a parameter of its own, so that the group's is saved once, under its name)."""
+
+    def __init__(self, group: TableGroup, columns: tuple[int, int]):
+        super().__init__()
+        self.__dict__["group"] = group  # not a submodule: the group's parameter belongs to the base model
+        self.columns = columns
+
+    def forward(self, forward, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.group(forward, self.columns, device, dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[vocab, d_ff]: a view of the group's parameter (rows written to it are the group's)."""
+        return self.group.weight[:, self.columns[0] : self.columns[1]]
+
+    def extra_repr(self) -> str:
+        return f"columns={self.columns} of a table group"
 
 
 def fit_ridge(x: torch.Tensor, y: torch.Tensor, strength: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,12 +186,11 @@ def placement_of_config(config):
     are read from the checkpoint the config was loaded from (`config._name_or_path`: a local folder, or a hub id
     whose files are fetched as `from_pretrained` fetches them), as `from_pretrained` would (tables stored in groups
     of layers: `memory` holds them as read, not as parameters). With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
-    grouped = bool(getattr(config, "stem_table_groups", None))
-    if config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None and not grouped:
-        return None
+    if config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None:
+        return None  # parameters, as any model built from its config has (a loader fills them by name)
     source = config._name_or_path or ""
     try:
-        return open_tables(source, config, {}, from_config=True)
+        return open_tables(source, config, {})
     except (OSError, ValueError) as err:  # no such folder, nor a hub id whose files could be fetched
         if isinstance(err, StemTablesError):
             raise
@@ -222,22 +254,12 @@ class _StemDispatch:
             if key in kwargs:
                 setattr(config, key, kwargs.pop(key))
         cls = cls.family_class(config.dense_model_type)
-        placement = open_tables(pretrained_model_name_or_path, config, hub_kwargs)
-        # Tables stored in groups of layers, loaded as parameters: a table per layer, filled from the groups'
-        # tensors once the rest is loaded; the model (and what save_pretrained writes) has a tensor per table.
-        groups = grouped_tables(pretrained_model_name_or_path, config, hub_kwargs) if placement is None else None
-        if groups:
-            config.stem_table_groups = None
-        _loading.placement, _loading.groups = placement, groups  # set together: a check that fails leaves neither
+        _loading.placement = open_tables(pretrained_model_name_or_path, config, hub_kwargs)
         try:
-            loaded = super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
-                                                               **kwargs)
-            if groups:
-                model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, info): output_loading_info
-                fill_tables({i: model.base_model.layers[i].mlp.up_table.weight for i in groups}, groups)
-            return loaded
+            return super(_StemDispatch, cls).from_pretrained(pretrained_model_name_or_path, *args, config=config,
+                                                             **kwargs)
         finally:
-            del _loading.placement, _loading.groups
+            del _loading.placement
 
     @classmethod
     def _from_config(cls, config, **kwargs):
@@ -250,9 +272,17 @@ class _StemDispatch:
         base.stem_token_ids = IdHandoff()
         loading = hasattr(_loading, "placement")
         placement = base.stem_tables_placement = _loading.placement if loading else placement_of_config(self.config)
+        columns = {}  # layer -> (its group, its columns of the group's rows)
+        if placement is None and self.config.stem_table_groups:  # memory: the groups' parameters, named as stored
+            d_ff = self.config.intermediate_size
+            base.stem_table_groups = nn.ModuleList(
+                [TableGroup(self.config.vocab_size, len(group) * d_ff) for group in self.config.stem_table_groups])
+            columns = {layer: (base.stem_table_groups[k], (i * d_ff, (i + 1) * d_ff))
+                       for k, group in enumerate(self.config.stem_table_groups) for i, layer in enumerate(group)}
         for index in self.config.stem_layers:
             if placement is None:
-                table = MemoryTable(self.config.vocab_size, self.config.intermediate_size)
+                table = (GroupColumns(*columns[index]) if index in columns
+                         else MemoryTable(self.config.vocab_size, self.config.intermediate_size))
             else:
                 table = PlacedTable(placement, index)
             base.layers[index].mlp = StemMLP.from_config(self.config, table, base.stem_token_ids, index)
@@ -264,19 +294,13 @@ class _StemDispatch:
             base.register_forward_pre_hook(_start_forward, with_kwargs=True)
             base.register_forward_hook(_end_forward, with_kwargs=True)
         super().post_init()
-        groups = getattr(_loading, "groups", None) if loading else None
-        if placement is not None or groups:  # the tables in the checkpoint are not this model's parameters
+        if placement is not None:  # the tables in the checkpoint are not this model's parameters
             table = TABLE_TENSOR
             if getattr(placement, "first_token_up", None):  # and nor are the up-projections left in the files;
                 # vLLM skips the keys these patterns match (Transformers only keeps quiet about them), so no
                 # dense layer's up_proj may match
                 table += rf"|layers\.({'|'.join(map(str, placement.first_token_up))})\.mlp\.up_proj\.(weight|bias)"
             self._keys_to_ignore_on_load_unexpected = _with_pattern(self._keys_to_ignore_on_load_unexpected, table)
-        if groups:  # the parameters that `from_pretrained` fills from the groups' tensors, once loaded
-            self._keys_to_ignore_on_load_missing = _with_pattern(self._keys_to_ignore_on_load_missing,
-                                                                 r"mlp\.up_table\.weight")
-            for index in self.config.stem_layers:
-                base.layers[index].mlp.up_table._is_hf_initialized = True  # no random init to overwrite
 
     @property
     def stem_placement(self):
@@ -349,6 +373,9 @@ class _StemDispatch:
             for index in self.config.stem_layers:
                 mlp = self.base_model.layers[index].mlp
                 mlp.up_table = _resized_table(mlp.up_table, embeddings.weight.detach(), old, new)
+            if self.config.stem_table_groups:  # now a parameter per table, saved so
+                del self.base_model.stem_table_groups
+                self.config.stem_table_groups = None
         return embeddings
 
     def save_pretrained(self, *args, **kwargs):

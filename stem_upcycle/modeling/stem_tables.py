@@ -1,9 +1,9 @@
 """Where a STEM model's tables live at inference, chosen at load time: `from_pretrained(..., stem_tables=...)`.
 
-- "memory": tables are ordinary parameters (`nn.Embedding`), as training needs them (tables stored
-  in groups of layers, `config.stem_table_groups`, are copied a layer's columns into each at load:
-  `fill_tables`); compressed tables (int8, fp8, int4: `table_format.py`) are held whole as stored
-  and decoded row by row.
+- "memory": float tables are parameters, named as the checkpoint stores them (a tensor per table,
+  `MemoryTable`, or per group of layers, `TableGroup`, `config.stem_table_groups`), as training, saving,
+  device maps and every loader (Transformers', vLLM's) need them, also in a model built from its config;
+  compressed tables (int8, fp8, int4: `table_format.py`) are held whole as stored and decoded row by row.
 - "mmap": tables stay in the safetensors shards (read-only); each forward reads the rows of its
   distinct ids, decoded and cast to the compute dtype as they are gathered. Nothing reads a whole table.
 - "host": for accelerators: tables in host memory, a row cache on the device
@@ -380,12 +380,10 @@ class RowPrefetch:
 
 
 class HeldTables(RowAccess):
-    """`memory` for tables that are not parameters: their stored parts held whole, where the STEM MLPs'
-    weights are (they follow the weights to a device at the next forward). Each forward gathers its ids'
-    parts and decodes those rows alone. Compressed tables are held so (they are not trained: see
-    `train`), and float tables stored in groups of layers in a model built from its config (vLLM), whose
-    loader fills parameters by name and finds none for a group's tensor. Float tables in memory are
-    otherwise parameters (`MemoryTable`), which training needs."""
+    """`memory` for compressed tables (int8, float8, int4), which are not parameters (they are not trained: see
+    `train`): their stored parts held whole, where the STEM MLPs' weights are (they follow the weights to a device
+    at the next forward). Each forward gathers its ids' parts and decodes those rows alone. Float tables in memory
+    are parameters (`MemoryTable`, `TableGroup`)."""
 
     name = "memory"
 
@@ -635,20 +633,15 @@ def _gather(source: torch.Tensor, ids: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.index_select(source, 0, ids, out=out)
 
 
-def open_tables(path, config, hub_kwargs: dict, from_config: bool = False):
-    """The placement of `config.stem_tables` for the checkpoint at `path` (a directory or a hub id
-    already downloaded), its table files checked; None for float tables in `memory` (parameters).
-    `from_config`: for a model built from its config alone, whose loader (vLLM's) fills parameters by
-    name and finds none for a group's tensor (`config.stem_table_groups`): grouped tables in `memory`
-    (there the default, as for a tensor per table) are held as read (`HeldTables`)."""
+def open_tables(path, config, hub_kwargs: dict):
+    """The placement of `config.stem_tables` for the checkpoint at `path` (a directory or a hub id), its table
+    files checked; None for float tables in `memory`, which are parameters (a tensor per table, or per group of
+    layers: named as stored)."""
     requested = config.stem_tables or "auto"
     if requested not in (*PLACEMENTS, "auto"):
         raise StemTablesError(f"stem_tables={requested!r} is not a placement; use one of {', '.join(PLACEMENTS)}")
     table_format = TableFormat.from_config(config)
-    held = from_config and bool(getattr(config, "stem_table_groups", None))
-    if held and requested == "auto":
-        requested = "memory"
-    if not config.stem_layers or (requested == "memory" and table_format is None and not held):
+    if not config.stem_layers or (requested == "memory" and table_format is None):
         return None
     files = checkpoint_files(path, hub_kwargs)
     if files is None:
@@ -669,40 +662,6 @@ def open_tables(path, config, hub_kwargs: dict, from_config: bool = False):
                     if config.stem_mlp_bias else None)
             for layer in config.stem_layers})
     return placement
-
-
-def grouped_tables(path, config, hub_kwargs: dict) -> dict[int, StoredTable] | None:
-    """Per STEM layer, where its table lies in its group's tensor, for a checkpoint whose tables are
-    stored in groups of layers (`config.stem_table_groups`); None for one with a tensor per table."""
-    if not (getattr(config, "stem_table_groups", None) and config.stem_layers):
-        return None
-    files = checkpoint_files(path, hub_kwargs)
-    if files is None:
-        raise StemTablesError(f"{path} has no safetensors files, where its tables should be (config.stem_table_groups); "
-                              f"download or export it again")
-    return locate_stem_tables(files, config, config.stem_layers)
-
-
-@torch.no_grad()
-def fill_tables(weights: dict[int, torch.Tensor], stored: dict[int, StoredTable], chunk_bytes: int = 64 << 20) -> None:
-    """Copy each layer's table from the files into `weights` [vocab, d_ff] (parameters; any dtype or device):
-    a group's tensor is read once, `chunk_bytes` of its rows at a time, each layer taking its columns."""
-    if any(weights[layer].is_meta for layer in stored):  # offloaded to disk by accelerate: a copy would do nothing
-        raise StemTablesError("tables stored in groups of layers are copied into parameters at load, and a device_map "
-                              "left some on the meta device (offloaded); load with stem_tables='mmap', or store a "
-                              "tensor per table: `stem-upcycle compress MODEL OUT --layer-groups 1`")
-    for where, layers in stored_tensors(stored).items():  # float tables: a part each, `weight`
-        step = max(1, chunk_bytes // where.row_bytes)
-        fd = os.open(where.path, os.O_RDONLY)
-        try:
-            for start in range(0, where.shape[0], step):
-                stop = min(start + step, where.shape[0])
-                rows = torch.empty(stop - start, where.shape[1], dtype=where.dtype, device="cpu")
-                read_rows(fd, where, torch.arange(start, stop, device="cpu"), rows)
-                for layer in layers:
-                    weights[layer][start:stop].copy_(stored[layer].own({"weight": rows})["weight"])
-        finally:
-            os.close(fd)
 
 
 def locate_stem_tables(files: dict[str, str], config, layers, headers: dict | None = None) -> dict[int, StoredTable]:
@@ -735,7 +694,7 @@ def table_names(files: dict[str, str], layers) -> dict[int, str]:
 def open_placement(name: str, stored: dict[int, StoredTable], cache_rows: int):
     if name == "mmap":
         return MmapTables(stored)
-    if name == "memory":  # compressed tables, or grouped ones in a model built from its config
+    if name == "memory":  # compressed tables
         return HeldTables(stored)
     if not accelerator_available():
         raise StemTablesError("stem_tables='host' keeps tables in host memory for an accelerator, and this machine "
