@@ -68,6 +68,23 @@ def test_mmap_leaves_the_first_tokens_up_projection_in_the_files(stem_dir, ids, 
     assert len(resident) == len(mappings) and sum(resident) == 0  # every page of these mappings let go (kB)
 
 
+def test_mmap_keeps_the_first_tokens_up_projection_on_an_accelerator_after_its_first_prefill(stem_dir, monkeypatch):
+    """On a device other than the CPU (here the meta device, which holds no data) the projection is copied there
+    once, not at every prefill; on the CPU it stays in the files."""
+    from stem_upcycle.modeling.stem_tables import MappedLinear
+
+    projection = load(stem_dir, "mmap").model.layers[0].mlp.up_proj
+    reads = []
+    mapped = MappedLinear._mapped
+    monkeypatch.setattr(MappedLinear, "_mapped", lambda self, t: reads.append(t) or mapped(self, t))
+    x = torch.randn(3, projection.stored.shape[1])
+    for _ in range(2):
+        assert projection(x.to("meta")).shape == (3, projection.stored.shape[0])
+    assert len(reads) == 1 and list(projection.on_device) == [(torch.device("meta"), torch.float32)]
+    projection(x), projection(x)
+    assert len(reads) == 3  # the CPU's: read at each call
+
+
 def test_host_cache_hits_misses_evictions_and_staging(stem_dir, host_on_cpu):
     memory, host = load(stem_dir, "memory"), load(stem_dir, "host", stem_cache_rows=6)
     cache = host.stem_placement

@@ -69,16 +69,28 @@ class MappedLinear(nn.Module):
     0.106 GB of fp32 weights), so the model would need as much memory as its parent. It runs at the
     prefill alone, for one token per sequence: each call maps the weight, multiplies, and lets its
     pages go (madvise(DONTNEED); the page cache keeps them), so RSS grows by one layer's weight for the
-    moment of the call. Like a placed table it has no parameter: it neither trains nor casts."""
+    moment of the call. Like a placed table it has no parameter: it neither trains nor casts.
+
+    On an accelerator, the projection is copied there at its first call and kept (per device and dtype): copied
+    from pageable memory at every prefill, it was what each first token's layer waited on; there it costs the
+    device the dense up-projection of each STEM layer, a third of the MLP weights the dense parts hold anyway."""
 
     def __init__(self, weight: TableFile, bias: TableFile | None, mappings: dict):
         super().__init__()
         self.stored, self.stored_bias, self.mappings = weight, bias, mappings
+        self.on_device = {}  # (device, dtype) -> [weight, bias] kept on an accelerator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, d_ff]
         stored = [self.stored] + ([self.stored_bias] if self.stored_bias is not None else [])
+        key = (x.device, x.dtype)
+        if key in self.on_device:
+            return nn.functional.linear(x, *self.on_device[key])
         try:
-            return nn.functional.linear(x, *(self._mapped(t).to(x.device, x.dtype) for t in stored))
+            if x.device.type == "cpu":
+                return nn.functional.linear(x, *(self._mapped(t).to(x.device, x.dtype) for t in stored))
+            with torch.inference_mode(False):  # kept for later forwards, which may run outside inference mode
+                self.on_device[key] = [self._mapped(t).to(x.device, x.dtype) for t in stored]
+            return nn.functional.linear(x, *self.on_device[key])
         finally:
             for t in stored:
                 if t.path in self.mappings:  # with the pages mapped around the tensor's (a fault maps a whole folio)
