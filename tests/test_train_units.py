@@ -1,6 +1,7 @@
 """Building blocks of `stem-upcycle train`: head loss, table optimizers, hand-off, recipe, data."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +218,11 @@ def test_chunked_head_loss_never_waits_for_the_device():
     loss, sums = head_loss(spec, hidden, weight, targets, torch.randn(37, 16, device="meta"), weight, 35.0, ce_mask)
     loss.backward()
     assert loss.device.type == sums.device.type == hidden.grad.device.type == "meta"
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_as_written(path):
+    """A recipe the README runs must pass the checks `train` makes before it starts (a typo or a stage the
+    conversion cannot run would end a user's first run)."""
+    recipe = load_recipe(path)
+    assert recipe.model.source and recipe.train.steps > 0
