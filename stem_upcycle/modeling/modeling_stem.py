@@ -184,16 +184,16 @@ def placement_of_config(config):
     """The placement of a model built from its config alone (`from_config`, as vLLM builds models): None
     (tables in memory, as parameters), unless `config.stem_tables` asks for mmap or host; then the tables
     are read from the checkpoint the config was loaded from (`config._name_or_path`: a local folder, or a hub id
-    whose files are fetched as `from_pretrained` fetches them), as `from_pretrained` would (tables stored in groups
-    of layers: `memory` holds them as read, not as parameters). With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
+    whose files are fetched as `from_pretrained` fetches them), as `from_pretrained` would; compressed tables in
+    `memory` are held as read. With vLLM: `hf_overrides={"stem_tables": "mmap"}`."""
     if config.stem_tables in (None, "auto", "memory") and TableFormat.from_config(config) is None:
         return None  # parameters, as any model built from its config has (a loader fills them by name)
     source = config._name_or_path or ""
     try:
         return open_tables(source, config, {})
+    except StemTablesError:
+        raise
     except (OSError, ValueError) as err:  # no such folder, nor a hub id whose files could be fetched
-        if isinstance(err, StemTablesError):
-            raise
         raise StemTablesError(f"a model built from its config reads its tables from the checkpoint the config came "
                               f"from, and {source!r} is neither a local folder nor a hub id whose files can be "
                               f"fetched ({type(err).__name__}); load the config from the checkpoint's folder or id") from None

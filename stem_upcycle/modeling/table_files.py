@@ -267,12 +267,7 @@ def read_rows(fd: int, table: TableFile, ids: torch.Tensor, out: torch.Tensor) -
     buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
     size = table.row_bytes
     for token, begin, stop in runs_of(ids):
-        view, offset, done = buffer[begin * size : stop * size], table.offset + token * size, 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if not got:
-                raise StemTablesError(f"{table.path} ended while reading table rows; download or export it again")
-            done += got
+        _read_fully(fd, table, buffer[begin * size : stop * size], table.offset + token * size)
 
 
 def read_columns(fd: int, table: TableFile, start: int, columns: tuple[int, int], out: torch.Tensor) -> None:
@@ -286,12 +281,18 @@ def read_columns(fd: int, table: TableFile, start: int, columns: tuple[int, int]
     os.posix_fadvise(fd, table.offset + start * table.row_bytes, out.shape[0] * table.row_bytes, os.POSIX_FADV_WILLNEED)
     offset = table.offset + start * table.row_bytes + columns[0] * table.dtype.itemsize
     for i in range(out.shape[0]):
-        view, at, done = buffer[i * size : (i + 1) * size], offset + i * table.row_bytes, 0
-        while done < size:
-            got = os.preadv(fd, [view[done:]], at + done)
-            if not got:
-                raise StemTablesError(f"{table.path} ended while reading table rows; download or export it again")
-            done += got
+        _read_fully(fd, table, buffer[i * size : (i + 1) * size], offset + i * table.row_bytes)
+
+
+def _read_fully(fd: int, table: TableFile, view: memoryview, offset: int) -> None:
+    """`view` filled from `offset` of `table`'s file, read again where the kernel returns less (a read stops at
+    2 GB on Linux)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise StemTablesError(f"{table.path} ended while reading table rows; download or export it again")
+        done += got
 
 
 def advise_rows(fd: int, table: TableFile, ids: torch.Tensor) -> None:
