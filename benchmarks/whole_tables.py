@@ -18,7 +18,6 @@ os.preadv), seconds the wall time of the reads alone.
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import time
@@ -29,7 +28,10 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from inference import machine  # noqa: E402
+from row_layout import drop  # noqa: E402
 from stem_upcycle.modeling.stem_tables import MmapTables  # noqa: E402
 from stem_upcycle.modeling.table_files import locate_table_groups  # noqa: E402
 from stem_upcycle.training.tables import ROWS_PER_COPY  # noqa: E402
@@ -41,16 +43,10 @@ def write_groups(folder: Path, groups: list[list[int]], vocab: int, d_ff: int) -
     for k, group in enumerate(groups):
         name, path = f"model.stem_table_groups.{k}.weight", folder / f"group-{k}.safetensors"
         save_file({name: torch.randn(vocab, len(group) * d_ff)}, str(path))
+        with open(path, "rb+") as f:  # on disk, so that `drop` can take its pages from the page cache
+            os.fsync(f.fileno())
         files[name] = str(path)
     return files
-
-
-def drop(paths) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def group_rows(tables: MmapTables, layer: int, start: int, stop: int) -> torch.Tensor:
@@ -73,7 +69,7 @@ def main():
     parser.add_argument("--d-ff", type=int, default=1536)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "whole-tables")
     args = parser.parse_args()
-    print(f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(machine())
     groups = [list(range(i, min(i + args.group, args.layers))) for i in range(0, args.layers, args.group)]
     args.work.mkdir(parents=True, exist_ok=True)
     try:
