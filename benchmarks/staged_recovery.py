@@ -23,15 +23,14 @@ epochs / its seconds, and per whole model: / converted layers) is printed next t
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from frontier import ROOT, evaluate, lastword, run, stem  # noqa: E402
+from inference import machine  # noqa: E402
 
 FIT = {"local.sequential": "true", "local.refit_down": "1e-3", "local.epochs": "4"}
 OFF = {"local.sequential": "false", "local.refit_down": "0", "local.epochs": "0"}
@@ -145,8 +144,7 @@ def main():
     for item in args.heldout:
         name, _, path = item.partition("=")
         sets.setdefault(name, []).append(path)
-    print(f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-          file=sys.stderr)
+    print(machine(), file=sys.stderr)
     records = {}
     for name in args.points.split(","):
         records[name] = measure(name, args.output / name, args, sets)
