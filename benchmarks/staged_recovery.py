@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from frontier import ROOT, evaluate, lastword, run, stem  # noqa: E402
 from inference import machine  # noqa: E402
