@@ -1,6 +1,7 @@
 """The `stem-upcycle` command line: thin Click commands over the library's functions."""
 
 import json
+import os
 import shlex
 import sys
 
@@ -476,7 +477,8 @@ def train(recipe, output, overrides, resume, quiet):
     from .training.trainer import train as run_training
 
     out = run_training(load_recipe(recipe, list(overrides)), output, resume=resume, progress=not quiet)
-    click.echo(f"wrote {out}")
+    if os.environ.get("RANK", "0") == "0":  # the model is written once, by the main process
+        click.echo(f"wrote {out}")
 
 
 if __name__ == "__main__":

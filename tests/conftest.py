@@ -1,5 +1,6 @@
 """Tiny random dense models of every supported family, saved the way Hugging Face saves them."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -130,3 +131,42 @@ def run_without_stem_upcycle(script: str, *args, timeout: int = 600) -> str:
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def markov_text(n: int, seed: int) -> str:
+    """Words w0..w59 where each word mostly determines the next: learnable by a tiny model."""
+    g = torch.Generator().manual_seed(seed)
+    word, words = 0, []
+    for _ in range(n):
+        words.append(f"w{word}")
+        word = (word * 7 + 3) % 60 if torch.rand(1, generator=g) < 0.8 else int(torch.randint(0, 60, (1,), generator=g))
+    return " ".join(words)
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A tiny dense llama with a tokenizer, its STEM conversion, and training / held-out text."""
+    from stem_upcycle.convert import plan_conversion, run_conversion
+    from stem_upcycle.source import open_source
+    from stem_upcycle.table_init import InitOptions
+
+    tiny_dense("llama").save_pretrained(tmp_path / "dense")
+    save_tiny_tokenizer(tmp_path / "dense")
+    (tmp_path / "train.txt").write_text(markov_text(6000, 0))
+    (tmp_path / "heldout.txt").write_text(markov_text(800, 1))
+    plan = plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init="calib",
+                           init_options=InitOptions(calib_data=[str(tmp_path / "train.txt")], calib_seq_len=32))
+    run_conversion(plan, tmp_path / "stem", progress=False)
+    return tmp_path
+
+
+def train_overrides(ws, *extra):
+    """`--set` values that train the workspace's STEM model on its text for a few steps, then EXTRA."""
+    return [f"model.source={ws / 'dense'}", f"model.init_from={ws / 'stem'}", f"data.train=[{ws / 'train.txt'}]",
+            f"data.eval=[{ws / 'heldout.txt'}]", "data.seq_len=32", "data.eval_tokens=256", "train.batch_size=8",
+            "train.micro_batch_size=4", "train.eval_every=0", "train.warmup_steps=2", "tables.lr=0.05", *extra]
+
+
+def train_log(path):
+    """A training run's log: one dict per line of OUTPUT/train_log.jsonl."""
+    return [json.loads(line) for line in (path / "train_log.jsonl").read_text().splitlines()]

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,66 +12,25 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from stem_upcycle.cli import main
-from stem_upcycle.convert import plan_conversion, run_conversion
 from stem_upcycle.evaluate import evaluate
-from stem_upcycle.source import open_source
 from stem_upcycle.training import checkpoint
-from stem_upcycle.table_init import InitOptions
 from stem_upcycle.training.tables import distinct_ids
 from stem_upcycle.training.recipe import load_recipe
 from stem_upcycle.training.trainer import Trainer
 from stem_upcycle.modeling.table_files import read_header
 
-from .conftest import VOCAB, save_tiny_tokenizer, tiny_dense
-
-
-def _markov_text(n: int, seed: int) -> str:
-    """Words w0..w59 where each word mostly determines the next: learnable by a tiny model."""
-    g = torch.Generator().manual_seed(seed)
-    word, words = 0, []
-    for _ in range(n):
-        words.append(f"w{word}")
-        word = (word * 7 + 3) % 60 if torch.rand(1, generator=g) < 0.8 else int(torch.randint(0, 60, (1,), generator=g))
-    return " ".join(words)
-
-
-@pytest.fixture
-def workspace(tmp_path):
-    """A tiny dense llama with a tokenizer, its STEM conversion, and training / held-out text."""
-    tiny_dense("llama").save_pretrained(tmp_path / "dense")
-    save_tiny_tokenizer(tmp_path / "dense")
-    (tmp_path / "train.txt").write_text(_markov_text(6000, 0))
-    (tmp_path / "heldout.txt").write_text(_markov_text(800, 1))
-    plan = plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init="calib",
-                           init_options=InitOptions(calib_data=[str(tmp_path / "train.txt")], calib_seq_len=32))
-    run_conversion(plan, tmp_path / "stem", progress=False)
-    return tmp_path
-
-
-def _overrides(ws, *extra):
-    return [f"model.source={ws / 'dense'}", f"model.init_from={ws / 'stem'}", f"data.train=[{ws / 'train.txt'}]",
-            f"data.eval=[{ws / 'heldout.txt'}]", "data.seq_len=32", "data.eval_tokens=256", "train.batch_size=8",
-            "train.micro_batch_size=4", "train.eval_every=0", "train.warmup_steps=2", "tables.lr=0.05", *extra]
-
-
-def _failure(run) -> str:
-    """What a launched run's processes said: every process's error line (the root cause may be any rank's), the tail."""
-    return "\n".join([line for line in run.stderr.splitlines() if "Error" in line] + [run.stderr[-2000:]])
-
-
-def _log(path):
-    return [json.loads(line) for line in (path / "train_log.jsonl").read_text().splitlines()]
+from .conftest import VOCAB, markov_text, save_tiny_tokenizer, train_log, train_overrides
 
 
 def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace):
     from transformers import AutoModelForCausalLM
 
     out = workspace / "out"
-    recipe = load_recipe(None, _overrides(workspace, "train.steps=30", "train.lr=3e-3",
+    recipe = load_recipe(None, train_overrides(workspace, "train.steps=30", "train.lr=3e-3",
                                           "train.trainable=[tables, gate_down, norms, attention]"))
     trainer = Trainer(recipe, out, progress=False)
     trainer.run()
-    log = _log(out)
+    log = train_log(out)
     assert log[-1]["eval"]["heldout"]["ppl"] < 0.7 * log[0]["eval"]["heldout"]["ppl"]
     assert log[-1]["loss"] < log[1]["loss"]
     # rows covered: none before training (the init was given, not calibrated here), then those of the ids trained
@@ -115,7 +72,7 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
 def test_gradient_checkpointing_recomputes_the_layers_during_backward(workspace, checkpointing):
     """Transformers checkpoints only in training mode: the trainer must put the model in it (and
     evaluation back in eval mode), else `gradient_checkpointing: true` silently does nothing."""
-    recipe = load_recipe(None, _overrides(workspace, "train.steps=1", "train.trainable=[tables, gate_down]",
+    recipe = load_recipe(None, train_overrides(workspace, "train.steps=1", "train.trainable=[tables, gate_down]",
                                           f"train.gradient_checkpointing={str(checkpointing).lower()}"))
     trainer = Trainer(recipe, workspace / "out", progress=False)
     calls = []
@@ -138,7 +95,7 @@ def test_export_keeps_the_source_dtype_unless_told(workspace, export_dtype):
     source = workspace / "dense16"
     AutoModelForCausalLM.from_pretrained(workspace / "dense", dtype=torch.bfloat16).save_pretrained(source)
     save_tiny_tokenizer(source)
-    overrides = [o for o in _overrides(workspace, "train.steps=1", f"model.export_dtype={export_dtype}",
+    overrides = [o for o in train_overrides(workspace, "train.steps=1", f"model.export_dtype={export_dtype}",
                                        f"model.source={source}", "model.layers=0,2")
                  if not o.startswith("model.init_from") and o != f"model.source={workspace / 'dense'}"]
     out = Trainer(load_recipe(None, overrides), workspace / "out", progress=False).run()
@@ -154,8 +111,8 @@ def test_export_keeps_the_source_dtype_unless_told(workspace, export_dtype):
 
 def test_resume_continues_exactly(workspace, monkeypatch):
     extra = ("train.steps=5", "train.checkpoint_every=2", "train.trainable=[tables, lora, norms]", "handoff.steps=3")
-    Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "a", progress=False).run()
-    uninterrupted = _log(workspace / "a")
+    Trainer(load_recipe(None, train_overrides(workspace, *extra)), workspace / "a", progress=False).run()
+    uninterrupted = train_log(workspace / "a")
 
     real_step = Trainer.train_step
 
@@ -166,15 +123,15 @@ def test_resume_continues_exactly(workspace, monkeypatch):
 
     monkeypatch.setattr(Trainer, "train_step", crash_at_step_4)
     with pytest.raises(KeyboardInterrupt):
-        Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "b", progress=False).run()
+        Trainer(load_recipe(None, train_overrides(workspace, *extra)), workspace / "b", progress=False).run()
     monkeypatch.setattr(Trainer, "train_step", real_step)
     assert not (workspace / "b" / "config.json").exists()  # nothing that looks like a finished model
     stale = workspace / "b" / "checkpoints" / "step.partial-999999999"  # a checkpoint write cut short by SIGKILL
     stale.mkdir()
     (stale / "tables.safetensors").write_bytes(b"half written")
-    Trainer(load_recipe(None, _overrides(workspace, *extra)), workspace / "b", resume=True, progress=False).run()
+    Trainer(load_recipe(None, train_overrides(workspace, *extra)), workspace / "b", resume=True, progress=False).run()
     assert not stale.exists()
-    resumed = _log(workspace / "b")
+    resumed = train_log(workspace / "b")
     assert [r["step"] for r in resumed] == [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4, 5]
     for a, b in zip(uninterrupted, resumed):
         assert a.get("loss") == b.get("loss") and a.get("eval") == b.get("eval")
@@ -186,7 +143,7 @@ def test_train_cli_refuses_to_mix_runs(workspace):
     runner = CliRunner()
     (workspace / "busy").mkdir()
     (workspace / "busy" / "keep.txt").write_text("user data")
-    sets = [w for o in _overrides(workspace, "train.steps=1") for w in ("--set", o)]
+    sets = [w for o in train_overrides(workspace, "train.steps=1") for w in ("--set", o)]
     result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "busy"), *sets])
     assert result.exit_code == 1 and "is not empty" in result.output
     assert (workspace / "busy" / "keep.txt").read_text() == "user data"
@@ -201,7 +158,7 @@ def test_train_cli_refuses_to_mix_runs(workspace):
     for overrides, says in [(["generated.tokens=2000", "generated.length=100"],
                              "generated.length 100 passes the teacher's context of 64 positions; give at most 64"),
                             (["train.trainable=[lora]", "lora.r=33"], "lora.r 33 is above the model's hidden size 32")]:
-        sets = [w for o in _overrides(workspace, "train.steps=1", *overrides) for w in ("--set", o)]
+        sets = [w for o in train_overrides(workspace, "train.steps=1", *overrides) for w in ("--set", o)]
         result = runner.invoke(main, ["train", str(recipe), "--output", str(workspace / "bad"), *sets])
         errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
         assert result.exit_code == 1 and len(errors) == 1 and says in errors[0], result.output
@@ -257,55 +214,10 @@ def test_a_checkpoint_is_complete_only_once_every_process_wrote_its_part(tmp_pat
                                                                                      "random_states_1.pkl"]
 
 
-def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tables(workspace):
-    """2 CPU processes (gloo) with half the batch each = 1 process with the whole batch; the tables and their
-    Adam state are one copy on the machine, mapped by both processes (its pages counted once in their PSS);
-    both resume from a checkpoint."""
-    extra = ["train.steps=4", "train.trainable=[tables, gate_down]", "train.lr=1e-3", "tables.optimizer=adam",
-             f"tables.host_dir={workspace / 'shared'}", "train.keep_checkpoints_at_end=true", "train.checkpoint_every=1"]
-    single = workspace / "one"
-    Trainer(load_recipe(None, _overrides(workspace, *extra)), single, progress=False).run()
-    recipe = workspace / "r.yaml"
-    recipe.write_text("{}\n")
-    sets = [w for o in _overrides(workspace, *extra, "train.micro_batch_size=2") for w in ("--set", o)]
-    # `accelerate launch --cpu` would start one process: torchrun's launcher with accelerate told to use the CPU.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "stem_upcycle.cli", "train", str(recipe),
-               "--output", str(workspace / "two"), "--quiet", *sets]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, _failure(run)
-    one, two = _log(single), _log(workspace / "two")
-    assert len(one) == len(two) == 5
-    for a, b in zip(one[1:], two[1:]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    assert one[-1]["eval"]["heldout"]["ppl"] == pytest.approx(two[-1]["eval"]["heldout"]["ppl"], rel=1e-4)
-    memory = two[-1]["host_memory_gb"]  # summed over the two processes
-    assert memory["processes"] == 2 and memory["shared_files"] > 0
-    assert memory["shared_rss"] > 1.5 * memory["shared_pss"]  # both processes map the same pages ...
-    rounding = 8 * 4096 / 2**30  # 8 files (2 tables, Adam's m, v and step count of each), each ending in a partial page
-    assert memory["shared_pss"] <= memory["shared_files"] + rounding  # ... which count once: one copy
-    for step in (2, 3):
-        a, b = (safe_open(run / "checkpoints" / f"step-{step}" / "tables.safetensors", "pt") for run in (single, workspace / "two"))
-        # Every row updated once, by its owner: the same tables and Adam state as one process, up to the order in
-        # which the halves' gradients are summed (on an AVX-512 CPU, one value in 4608 moved by 2e-5 after 2 steps
-        # of a table step size of 0.05).
-        for name in a.keys():
-            torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-4,
-                                       msg=lambda m, name=name: f"{name}: {m}")
-    assert list((workspace / "shared").iterdir()) == []  # the machine's copy went with the export, the folder stays
-    # Resumed by both processes from the step-3 checkpoint (accelerate's state, tables into the shared copy):
-    # step 4 again, with the same loss.
-    again = subprocess.run(command + ["--resume"], env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, _failure(again)
-    resumed = _log(workspace / "two")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4] and resumed[-1]["loss"] == pytest.approx(two[-1]["loss"], rel=1e-6)
-
-
 def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(workspace):
     """Teacher-generated sequences fill their share of each batch (KL only), calibrate the conversion, and are
     cached; every held-out set is scored against the teacher on its own; checkpoints go once the model is out."""
-    (workspace / "other.txt").write_text(_markov_text(800, 2))
+    (workspace / "other.txt").write_text(markov_text(800, 2))
     cache = workspace / "generated"
     common = [f"model.source={workspace / 'dense'}", "model.layers=0,2", "model.calib_tokens=1024",
               "model.calib_seq_len=32", "data.seq_len=32", "data.eval_tokens=128", "train.batch_size=4",
@@ -322,7 +234,7 @@ def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(works
     stream = torch.cat([mixed.generated, torch.full((42, 1), VOCAB - 2)], 1).flatten()  # joined with EOS
     assert all(any(torch.equal(row, stream[i : i + 33]) for i in range(0, stream.numel() - 32, 32)) for row in batch[2:])
     mixed.run()
-    log = _log(workspace / "mixed")
+    log = train_log(workspace / "mixed")
     assert log[0]["generated"]["tokens"] == 6 * 8 * 16  # whole batches of 8, of which 42 sequences are used
     assert log[0]["generated"]["tokens_per_s"] > 0
     assert [sorted(r["eval"]) for r in log if "eval" in r] == [["markov", "other"]] * 3
@@ -342,39 +254,12 @@ def test_generated_text_mixes_into_batches_and_named_sets_are_scored_apart(works
     assert free.batches.step(0)[1].all()
     before = free.tables[0].weight.clone()
     free.run()
-    log = _log(workspace / "free")
+    log = train_log(workspace / "free")
     assert all(r["ce"] is None and r["kd"] > 0 for r in log[1:])  # KL only: no cross-entropy on generated text
     changed = (free.tables[0].weight != before).any(1).nonzero()[:, 0]
     read = torch.cat([free.batches.step(s)[0][:, :-1] for s in range(4)]).unique()
     assert changed.numel() > 0 and torch.isin(changed, read).all()  # the rows of the generated text trained
     assert (workspace / "free" / "checkpoints" / "step-2").exists() and (workspace / "free" / "init" / "config.json").exists()
-
-
-def test_two_processes_split_the_calibration_of_the_conversion(workspace):
-    """A run that converts its starting point calibrates and fits its layers (local: sequential, refit_down) in
-    both processes (each half the windows, sums all-reduced): the converted tables and the refit down-projections
-    equal those of one process."""
-    common = [f"model.source={workspace / 'dense'}", "model.layers=0,2", "model.calib_tokens=1024",
-              "local.sequential=true", "local.refit_down=1e-3",
-              "model.calib_seq_len=32", "model.keep_init=true", f"data.train=[{workspace / 'train.txt'}]",
-              f"data.eval=[{workspace / 'heldout.txt'}]", "data.seq_len=32", "data.eval_tokens=64", "train.steps=1",
-              "train.batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", "train.warmup_steps=1"]
-    Trainer(load_recipe(None, common), workspace / "one", progress=False).run()
-    recipe = workspace / "r.yaml"
-    recipe.write_text("{}\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "stem_upcycle.cli",
-               "train", str(recipe), "--output", str(workspace / "two"), "--quiet",
-               *[w for o in common for w in ("--set", o)]]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, _failure(run)
-    assert "read by 2 processes" in run.stderr
-    a, b = (safe_open(str(next((workspace / r / "init").glob("*.safetensors"))), "pt") for r in ("one", "two"))
-    for name in ("model.stem_table_groups.0.weight", "model.layers.2.mlp.down_proj.weight"):  # tables side by side
-        torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
-    config = json.loads((workspace / "two" / "init" / "config.json").read_text())
-    assert config["stem_fit"]["refit_down"] == 1e-3
 
 
 def test_the_recipe_fine_tunes_the_dense_model_itself_as_the_baseline(workspace):
@@ -383,10 +268,10 @@ def test_the_recipe_fine_tunes_the_dense_model_itself_as_the_baseline(workspace)
     from transformers import AutoModelForCausalLM
 
     out = workspace / "dense-ft"
-    overrides = [o for o in _overrides(workspace, "train.steps=4", "train.lr=3e-3", "train.eval_every=4",
+    overrides = [o for o in train_overrides(workspace, "train.steps=4", "train.lr=3e-3", "train.eval_every=4",
                                        "train.trainable=[mlp, norms, attention]") if not o.startswith("model.init_from")]
     Trainer(load_recipe(None, overrides + [f"model.init_from={workspace / 'dense'}"]), out, progress=False).run()
-    log = _log(out)
+    log = train_log(out)
     assert log[-1]["eval"]["heldout"]["ppl"] < log[0]["eval"]["heldout"]["ppl"]
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "llama" and not any("up_table" in n for n in model.state_dict())

@@ -110,17 +110,17 @@ def heldout_paths(recipe) -> list[Path]:
     return [f for files in eval_files(recipe).values() for f in files]
 
 
-def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: None
+def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: None, run: str = ""
               ) -> tuple[Sequences | None, dict[str, torch.Tensor]]:
     """(training-text sequences or None, {held-out set: [n, seq_len + 1] ids}). Every process calls this: each
-    tokenises its share of what is not cached yet (`wait`: a barrier across them)."""
+    tokenises its share of what is not cached yet (`wait`: a barrier across them; `run`: `tokenize_corpus`)."""
     d = recipe.data
     sets = eval_files(recipe)
     heldout = heldout_paths(recipe)
     root = cache_root(d.cache_dir, "tokens")
 
     def stream(files):
-        return tokenize_corpus(files, tokenizer, d.text_field, root, rank, world, wait)
+        return tokenize_corpus(files, tokenizer, d.text_field, root, rank, world, wait, run=run)
 
     sequences = None
     if d.train:

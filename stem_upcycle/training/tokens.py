@@ -8,6 +8,8 @@ own. The main process then joins the parts, in piece order, into one flat file o
 a cache folder is complete only once that exists. The folder's name is a digest of the files
 (path, size, modification time), the text field, the tokenizer's vocabulary and this format, so a
 later run, the dense baseline on the same data, and every process of this run read the same file.
+Runs that tokenise the same corpus at once (two jobs on one machine) encode into part folders of
+their own and each publishes the same two files by an atomic rename.
 
 Reads go through `os.pread` of the sequences a step needs: nothing is mapped and no process ever
 holds the corpus, so a process's memory does not grow with it.
@@ -84,14 +86,16 @@ class TokenFile:
 
 
 def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, rank: int = 0, world: int = 1,
-                    wait=lambda: None, piece_bytes: int = PIECE_BYTES) -> TokenFile:
+                    wait=lambda: None, piece_bytes: int = PIECE_BYTES, run: str = "") -> TokenFile:
     """The corpus's token stream, tokenised now (this process's share of the pieces) unless cached in `root`.
 
-    Every process of a run calls this with the same arguments; `wait` is a barrier across them."""
+    Every process of a run calls this with the same arguments; `wait` is a barrier across them. `run` names
+    the run (the same in all its processes; default: this process): runs that tokenise the same corpus at
+    once write their parts into folders of their own and each publishes the same tokens.bin atomically."""
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no EOS token to put between documents")
     folder = root / cache_key(files, tokenizer, text_field, piece_bytes)
-    staging = folder / f"parts-of-{world}"
+    staging = folder / f"parts-{run or os.getpid()}-of-{world}"
     done = (folder / "meta.json").exists()
     if not done:  # each process encodes pieces rank, rank + world, ... into its own part file
         staging.mkdir(parents=True, exist_ok=True)
@@ -134,7 +138,8 @@ def _join(folder: Path, staging: Path, world: int, dtype: np.dtype) -> None:
             out.write(parts[r].read(counts[r][i // world] * dtype.itemsize))
     for f in parts:
         f.close()
-    (folder / "meta.json").write_text(json.dumps({"tokens": total, "dtype": dtype.name, "format": FORMAT}) + "\n")
+    with staged_file(folder / "meta.json") as partial:  # another run may read it while this one publishes
+        partial.write_text(json.dumps({"tokens": total, "dtype": dtype.name, "format": FORMAT}) + "\n")
     shutil.rmtree(staging, ignore_errors=True)
 
 

@@ -8,7 +8,7 @@ are averaged across processes by hand: every process gathers the same rows, thos
 batch; the tables are one shared host copy per machine, see tables.SharedTables). Output layout:
 
     OUTPUT/init/             the converted starting point (removed after export unless model.keep_init)
-    OUTPUT/host-tables/      each machine's shared copy of the tables and their optimizer state while training
+    OUTPUT/host-tables/      node-N/: each machine's shared copy of the tables and their optimizer state while training
     OUTPUT/checkpoints/      step-N/ with the model and dense optimizer (accelerate), tables and their
                              optimizer state (removed after export unless train.keep_checkpoints_at_end)
     OUTPUT/recipe.yaml       the recipe as run;  OUTPUT/train_log.jsonl  one JSON object per line
@@ -18,8 +18,8 @@ batch; the tables are one shared host copy per machine, see tables.SharedTables)
 import math
 import os
 import resource
+import hashlib
 import shutil
-import socket
 import sys
 import time
 from contextlib import nullcontext, suppress
@@ -77,6 +77,9 @@ class Trainer:
         from accelerate import Accelerator, DistributedType
 
         self.recipe, self.output, self.progress = recipe, Path(output), progress
+        # names this run's temporaries in folders other runs share (token caches, tables.host_dir): the same in
+        # every process and in a resumed run, different for a run into another OUTPUT
+        self.run_key = hashlib.sha1(str(self.output.absolute()).encode()).hexdigest()[:12]
         t = recipe.train
         if recipe.handoff.steps >= t.steps:
             raise TrainError(f"handoff.steps ({recipe.handoff.steps}) must be below train.steps ({t.steps}): "
@@ -93,6 +96,11 @@ class Trainer:
         if t.batch_size % (self.world * t.micro_batch_size):
             raise TrainError(f"train.batch_size {t.batch_size} must be a multiple of processes x micro_batch_size "
                              f"({self.world} x {t.micro_batch_size})")
+        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and acc.distributed_type != DistributedType.FSDP:
+            # accelerate runs FSDP on accelerators only: on CPU processes it silently wraps the model in DDP
+            raise TrainError(f"FSDP was asked for (accelerate launch --use_fsdp or an FSDP config) but accelerate "
+                             f"runs {acc.distributed_type.value} here, without sharding: it runs FSDP on GPUs only; on "
+                             f"CPU processes launch with --multi_gpu (DDP) or recipes/accelerate/ddp.yaml")
         if acc.distributed_type == DistributedType.FSDP and "lora" in t.trainable:
             raise TrainError("under FSDP, train LoRA-free: merging sharded adapters is not supported yet")
         existed = self.output.exists()
@@ -132,7 +140,7 @@ class Trainer:
             self.covered[calibrated] = True
         self.tokenizer = load_tokenizer(init)
         train_text, self.heldout = load_data(recipe, self.tokenizer, acc.process_index, acc.num_processes,
-                                             acc.wait_for_everyone)
+                                             acc.wait_for_everyone, run=self.run_key)
         generated = None if self.generated is None else pack_ids(self.generated, self.tokenizer, recipe.data.seq_len)
         self.batches = MixedBatches(train_text, generated, t.batch_size, recipe.generated.train_share, t.seed)
         self._eval_reference = {}  # held-out set -> (teacher hidden states per micro-batch, teacher nll), once
@@ -152,8 +160,10 @@ class Trainer:
                              f"to train one of {student.config.vocab_size}; the teacher must be its dense base")
         self.causal_lm = student
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        # One folder per machine (named after it): machines that share OUTPUT's file system keep apart copies.
-        host = Path(recipe.tables.host_dir or self.output / "host-tables") / socket.gethostname()
+        # One copy per machine, in a folder of its own (machines that share OUTPUT's file system, or run as two
+        # nodes on one host, keep apart copies) and, in a host_dir that several runs share, of this run's own.
+        host = (Path(recipe.tables.host_dir) / f"{self.output.name}-{self.run_key}" if recipe.tables.host_dir
+                else self.output / "host-tables") / f"node-{acc.process_index // local_world}"
         self.shared = SharedTables(host, acc.local_process_index, local_world, acc.wait_for_everyone)
         self.tables = attach_tables(student, acc.device, self.shared)
         if recipe.handoff.steps:
@@ -375,9 +385,8 @@ class Trainer:
         """This machine's copy of the tables (by its local main process); never the user's host_dir itself."""
         if self.accelerator.is_local_main_process:
             shutil.rmtree(self.shared.folder, ignore_errors=True)
-            if not self.recipe.tables.host_dir:
-                with suppress(OSError):  # still holding another machine's copy: its own process removes it
-                    (self.output / "host-tables").rmdir()
+            with suppress(OSError):  # still holding another machine's copy: its own process removes it
+                self.shared.folder.parent.rmdir()
 
 
 def train(recipe: Recipe, output: str | Path, resume: bool = False, progress: bool = True) -> Path:
