@@ -467,16 +467,36 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
               help="Override a recipe value, e.g. --set train.steps=200; repeat for several.")
 @click.option("--resume", is_flag=True, help="Continue the run in OUTPUT from its newest checkpoint.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--plan", "plan_only", is_flag=True,
+              help="Print what each process and each machine will hold (device memory, host memory, OUTPUT's disk), "
+                   "check it against this machine, and train nothing; fails if it does not fit.")
+@click.option("--launch-config", type=click.Path(exists=True, dir_okay=False),
+              help="With --plan: the accelerate config the run will be launched with (processes, machines, FSDP); "
+                   "default: one process, on this machine's GPU if it has one.")
 @_fail_cleanly
-def train(recipe, output, overrides, resume, quiet):
+def train(recipe, output, overrides, resume, quiet, plan_only, launch_config):
     """Recovery training of a STEM model by RECIPE (YAML): KL to the dense teacher + cross-entropy.
 
     Runs on one CPU or GPU as it is, and on several through `accelerate launch`.
     """
+    from pathlib import Path
+
     from .training.recipe import load_recipe
+
+    recipe = load_recipe(recipe, list(overrides))
+    if plan_only:
+        from .source import open_source
+        from .training.plan import Launch, count_distinct_rows, plan_training
+
+        source = open_source(recipe.model.source)
+        plan = plan_training(recipe, Launch.from_accelerate_config(launch_config), source,
+                             count_distinct_rows(recipe, source))
+        click.echo(plan.describe())
+        click.echo(plan.confirm(Path(output)))
+        return
     from .training.trainer import train as run_training
 
-    out = run_training(load_recipe(recipe, list(overrides)), output, resume=resume, progress=not quiet)
+    out = run_training(recipe, output, resume=resume, progress=not quiet)
     if os.environ.get("RANK", "0") == "0":  # the model is written once, by the main process
         click.echo(f"wrote {out}")
 

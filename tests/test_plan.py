@@ -1,17 +1,26 @@
 """Planning without weights: Llama-3.2-1B's real shapes, layer specs, and the shard writer."""
 
 import json
+import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from click.testing import CliRunner
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from stem_upcycle.cli import main
 from stem_upcycle.convert import plan_conversion
 from stem_upcycle.layers import LayerSpecError, parse_layers
 from stem_upcycle.shards import INDEX_NAME, ShardWriter, TensorSpec, index_json, plan_shards
 from stem_upcycle.shapes import LLAMA_32_1B
-from stem_upcycle.source import Source, StateDictStore
+from stem_upcycle.source import Source, StateDictStore, open_source
+from stem_upcycle.training.plan import Launch, plan_training
+from stem_upcycle.training.recipe import load_recipe
+
+from .conftest import train_overrides
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +120,52 @@ def test_shard_writer_refuses_out_of_order_overlong_and_incomplete_writes(tmp_pa
     writer.write("a", torch.zeros(2, 2))
     with pytest.raises(RuntimeError, match="not written completely"):
         writer.close()
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+@pytest.mark.parametrize("recipe, launch", [("llama-3.2-1b.yaml", None), ("llama-3.2-1b-fsdp.yaml", "accelerate/fsdp.yaml")])
+def test_the_gpu_recipes_state_their_plans(llama_1b_source, recipe, launch):
+    """The figures in the comments of the Llama recipes are `train --plan`'s, for Llama-3.2-1B's real shapes."""
+    launched = Launch.from_accelerate_config(str(RECIPES / launch)) if launch else Launch(device="cuda")
+    plan = plan_training(load_recipe(str(RECIPES / recipe)), launched, llama_1b_source)
+    comments = [line.removeprefix("# ") for line in (RECIPES / recipe).read_text().splitlines() if line.startswith("#")]
+    text = plan.describe().splitlines()
+    start = comments.index(text[0])
+    assert comments[start : start + len(text)] == text
+
+
+def test_a_plan_counts_each_part_and_divides_what_fsdp_shards(workspace, monkeypatch, capsys):
+    recipe = load_recipe(None, train_overrides(workspace, "train.trainable=[tables, mlp]", "tables.optimizer=adam",
+                                               "train.micro_batch_size=2",
+                                               "train.checkpoint_every=1", "train.keep_checkpoints=2"))
+    source = open_source(str(workspace / "dense"))
+    one = plan_training(recipe, Launch(), source, distinct_rows=40)
+    four = plan_training(recipe, Launch(processes=2, machines=2, fsdp=True), source, distinct_rows=40)
+    vocab, d_ff, layers = 96, 48, 2
+    # the embedding (tied head), 3 layers (2 norms, q o [32, 32], k v [16, 32], MLP: gate, up (kept for the first
+    # token in the STEM layers), down [48, 32]), the final norm; the tables are not dense weights
+    dense = 96 * 32 + 3 * (2 * 32 + 2 * 32 * 32 + 2 * 16 * 32 + 3 * 32 * 48) + 32
+    mlp = 3 * 3 * 32 * 48  # gate, up (kept for the first token in STEM layers), down of every layer
+    lines = {line.what.split(" (")[0]: line.bytes for line in one.device}
+    assert lines["student dense weights"] == 4 * dense
+    assert lines["gradients of the trainable weights"] == 4 * mlp and lines["AdamW state"] == 8 * mlp
+    assert lines["a step's rows and their gradients"] == 40 * d_ff * 8 * layers
+    sharded = {line.what.split(" (")[0]: line.bytes for line in four.device}
+    for part in ("student dense weights", "gradients of the trainable weights", "AdamW state"):
+        assert sharded[part] == math.ceil(lines[part] / 4)
+    assert sharded["teacher"] == lines["teacher"] and "one decoder layer gathered" in sharded
+    host = {line.what.split(" (")[0]: line.bytes for line in one.host}
+    assert host["tables"] == layers * vocab * d_ff * 4 and host["table optimizer state"] == layers * (2 * vocab * d_ff * 4 + vocab * 8)
+    # the CLI prints the plan, writes nothing, and fails in one line when OUTPUT's disk is too small
+    recipe_file = workspace / "r.yaml"
+    recipe_file.write_text("{}\n")
+    sets = [w for o in train_overrides(workspace) for w in ("--set", o)]
+    result = CliRunner().invoke(main, ["train", str(recipe_file), "--output", str(workspace / "out"), "--plan", *sets])
+    assert result.exit_code == 0 and "each process" in result.output and "fits this machine" in result.output, result.output
+    assert not (workspace / "out").exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000))
+    result = CliRunner().invoke(main, ["train", str(recipe_file), "--output", str(workspace / "out"), "--plan", *sets])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert result.exit_code == 1 and len(errors) == 1 and "disk: OUTPUT needs" in errors[0] and "0.0 GB free" in errors[0]

@@ -110,7 +110,7 @@ class TablesSection:
     max_grad_norm: float = 0.0  # clipping of the table gradients, separate from the dense parts; 0: none
     eps: float = 1e-8
     # Where each machine's one copy of the tables and their optimizer state lives while training
-    # (fp32 files mapped by every process, in a subfolder named after the machine); default
+    # (fp32 files mapped by every process, in a subfolder per run and machine); default
     # OUTPUT/host-tables, removed after export. /dev/shm keeps it in RAM, off the disk.
     host_dir: str = ""
 

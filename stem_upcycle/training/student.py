@@ -123,13 +123,17 @@ def select_trainable(model, parts: list[str], lora=None):
         model = get_peft_model(model, config)  # freezes the base weights; adapters train
     else:
         model.requires_grad_(False)
-    stem = "|".join(rf"\.layers\.{i}\.mlp\.(gate_proj|down_proj)\." for i in _stem_layers(model))
-    patterns = [stem if part == "gate_down" else PARTS[part] for part in parts if part not in ("tables", "lora")]
-    patterns = [p for p in patterns if p]  # gate_down names nothing in a model without STEM layers
     for name, param in model.named_parameters():
-        if any(re.search(p, name) for p in patterns) and "lora_" not in name:
+        if is_trainable(name, parts, _stem_layers(model)) and "lora_" not in name:
             param.requires_grad_(True)
     return model
+
+
+def is_trainable(name: str, parts: list[str], stem_layers: list[int]) -> bool:
+    """Whether the dense parameter NAME is among the trainable PARTS (the tables and LoRA adapters aside)."""
+    stem = "|".join(rf"\.layers\.{i}\.mlp\.(gate_proj|down_proj)\." for i in stem_layers)
+    patterns = [stem if part == "gate_down" else PARTS[part] for part in parts if part not in ("tables", "lora")]
+    return any(re.search(p, name) for p in patterns if p)  # gate_down names nothing without STEM layers
 
 
 def _stem_layers(model) -> list[int]:
