@@ -24,10 +24,11 @@ class ForwardIds:
     like any other, and `edited` puts them in place."""
 
     def __init__(self, ids: torch.Tensor, edit: "ForwardEdit | None" = None,
-                 first: "tuple[torch.Tensor, torch.Tensor] | None" = None):
+                 first: "tuple[torch.Tensor, torch.Tensor] | None" = None, first_mask: torch.Tensor | None = None):
         self.ids = ids
         self.edit = edit
         self.first = first  # (batch rows, positions) of the sequences' first tokens in this forward (`first_tokens`)
+        self.first_mask = first_mask  # a compiled forward's instead: [batch, seq] bool (`first_token_mask`)
         self.lookup = ids if edit is None else torch.cat([ids.flatten(), edit.target_ids.flatten().to(ids.device)])
         self._on = {self.lookup.device: self.lookup}
         self._unique = None
@@ -160,6 +161,25 @@ def first_tokens(ids: torch.Tensor, kwargs: dict, past: int) -> tuple[torch.Tens
     return rows, start - past
 
 
+def first_token_mask(ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """[batch, seq] bool: which tokens of a forward are their sequence's first, computed on the ids' device
+    without reading anything back to the host (a compiled forward's rule; `first_tokens` is the eager one):
+    position id 0 where the forward has position ids, else the first position the 2-D attention mask admits
+    (by the cache positions of this forward's tokens), else cache position 0."""
+    batch, seq = ids.shape
+    positions = kwargs.get("position_ids")
+    if positions is not None and positions.shape == ids.shape:
+        return positions == 0
+    cache_position = kwargs.get("cache_position")
+    if cache_position is None:
+        cache_position = torch.arange(seq, device=ids.device)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() == 2:
+        start = mask.int().argmax(1)  # [batch]: the first admitted position (left padding skipped)
+        return cache_position[None, :] == start[:, None]
+    return (cache_position == 0)[None, :].expand(batch, seq)
+
+
 def cached_length(kwargs: dict) -> int:
     """Tokens already in the KV cache a decoder forward was given (`cache` in Transformers 5,
     `past_key_values` before)."""
@@ -182,6 +202,9 @@ class IdHandoff:
     def __init__(self):
         self._local = threading.local()
         self._latest = None
+        # A compiled forward's ids: an attribute that torch.compile traces (a thread-local it cannot); so a
+        # compiled model runs in one thread at a time, as compiled code does anyway (CUDA graphs, static caches).
+        self.compiled: ForwardIds | None = None
 
     @property
     def edit(self) -> "RowEdit | None":
@@ -202,6 +225,8 @@ class IdHandoff:
         return getattr(self._local, "current", None)
 
     def current(self, x: torch.Tensor) -> ForwardIds:
+        if torch.compiler.is_compiling():
+            return self.compiled
         forward = getattr(self._local, "current", None) or self._latest
         if forward is None or forward.ids.shape != x.shape[:-1]:
             raise RuntimeError(

@@ -17,6 +17,7 @@ Exported next to the weights, so it imports only torch and transformers.
 
 import copy
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -27,8 +28,8 @@ from transformers.models.auto import modeling_auto
 import transformers
 
 from .configuration_stem import StemConfig
-from .forward_ids import IdHandoff, RowEdit, cached_length, check_ids, first_tokens
-from .stem_tables import MappedLinear, PlacedTable, open_tables
+from .forward_ids import ForwardIds, IdHandoff, RowEdit, cached_length, check_ids, first_token_mask, first_tokens
+from .stem_tables import MappedLinear, PlacedTable, custom_op, open_tables
 from .table_files import TABLE_TENSOR, StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
@@ -103,6 +104,25 @@ def _resized_table(table: MemoryTable, embedding: torch.Tensor, old: int, new: i
     return resized
 
 
+_MLPS = weakref.WeakValueDictionary()  # id -> StemMLP, for the op below (ops take tensors and numbers)
+
+
+def _dense_first_tokens(x: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, mlp: int) -> torch.Tensor:
+    """`rows` [batch, seq, d_ff] with the dense up-projection of x [batch, seq, d] at the `first` [batch, seq]
+    tokens, by the `up_proj` of the StemMLP with id `mlp` (a Linear, or W_up left in the files: MappedLinear).
+    An op of its own in compiled graphs (`dense_first_tokens`): how many first tokens a forward holds is known
+    only from the data, which a graph cannot branch on without a host read (and torch.cond, which could, trips
+    dynamo on the context variables the `kernels` package wraps attention in)."""
+    batch, position = first.nonzero(as_tuple=True)
+    if not batch.numel():
+        return rows.clone()  # a custom op returns no alias of its inputs
+    return rows.index_put((batch, position), _MLPS[mlp].up_proj(x[batch, position]).to(rows.dtype))
+
+
+dense_first_tokens = custom_op("dense_first_tokens_v1", _dense_first_tokens,
+                               lambda x, rows, first, mlp: torch.empty_like(rows))
+
+
 class StemMLP(nn.Module):
     """Gated MLP whose up-projection is a lookup: down(act(gate(x)) * up_table[ids]).
 
@@ -129,6 +149,11 @@ class StemMLP(nn.Module):
         self.token_ids = token_ids
         self.layer = layer  # the decoder layer's index, which run-time edits name
         self.up_proj = up_proj  # the dense up-projection, for the sequences' first tokens only (None: rows there too)
+        _MLPS[id(self)] = self
+
+    def __setstate__(self, state):  # a copy (deepcopy, pickle) is an MLP of its own for `dense_first_tokens`
+        super().__setstate__(state)
+        _MLPS[id(self)] = self
 
     @classmethod
     def from_config(cls, config: StemConfig, up_table, token_ids: IdHandoff, layer: int) -> "StemMLP":
@@ -141,9 +166,11 @@ class StemMLP(nn.Module):
     def up(self, x: torch.Tensor) -> torch.Tensor:
         forward = self.token_ids.current(x)
         rows = forward.edited(self.up_table(forward, x.device, x.dtype), self.layer)  # [batch, seq, d_ff]
+        # The first tokens' rows give way to their dense up-projection (an edit's too: a first
+        # token reads no row, so a persistent edit of the rows could not reach it either).
+        if self.up_proj is not None and forward.first_mask is not None:  # compiled: an op the graph calls
+            return dense_first_tokens(x, rows, forward.first_mask, id(self))
         if self.up_proj is not None and forward.first is not None:
-            # The first tokens' rows give way to their dense up-projection (an edit's too: a first
-            # token reads no row, so a persistent edit of the rows could not reach it either).
             batch, position = (t.to(x.device) for t in forward.first)
             rows = rows.index_put((batch, position), self.up_proj(x[batch, position]).to(rows.dtype))
         return rows
@@ -161,6 +188,9 @@ def _start_forward(module, args, kwargs):
             "STEM layers look up table rows by token id: pass input_ids (inputs_embeds alone "
             "cannot be used with a STEM model)"
         )
+    if torch.compiler.is_compiling():
+        _start_compiled_forward(module, ids, kwargs)
+        return
     check_ids(ids, module.config.vocab_size)
     past = cached_length(kwargs)
     edit = module.stem_token_ids.edit  # this thread's run-time knowledge edit, if one is set
@@ -168,6 +198,23 @@ def _start_forward(module, args, kwargs):
     forward = module.stem_token_ids.start(ids, edit.for_forward(ids, past) if edit else None, first)
     if module.stem_tables_placement is not None:
         module.stem_tables_placement.begin(forward)
+
+
+def _start_compiled_forward(module, ids: torch.Tensor, kwargs: dict) -> None:
+    """What `_start_forward` does, in a form torch.compile traces whole (fullgraph): the ids and a mask of the
+    first tokens handed over as tensors; tables in memory are gathered inside the graph, placed ones read by an
+    op (`placed_rows`). Not done here: the id range check (eager forwards make it) and run-time edits."""
+    placement = module.stem_tables_placement
+    if placement is not None and not placement.compiles:
+        raise RuntimeError(f"a compiled STEM model reads its rows inside the graph: from tables in memory, or by an "
+                           f"op that reads them from the checkpoint's files (mmap); stem_tables={placement.name!r} "
+                           f"stages rows around each forward: load with stem_tables='memory' or 'mmap' to compile, "
+                           f"or run eagerly")
+    if module.stem_token_ids.edit is not None:
+        raise RuntimeError("a run-time row edit (set_stem_row_edit) applies to eager forwards only: clear it with "
+                           "set_stem_row_edit(None) to run compiled, or run eagerly")
+    first = first_token_mask(ids, kwargs) if module.config.stem_dense_first_token else None
+    module.stem_token_ids.compiled = ForwardIds(ids, first_mask=first)
 
 
 def _end_forward(module, args, kwargs, output):
@@ -426,9 +473,6 @@ class StemModel(StemPreTrainedModel):
         # than in forward hooks (as for the base model inside StemForCausalLM): vLLM, which serves a
         # Transformers model through its base model, calls `forward` directly, past nn.Module's hooks
         # (and reads the names of its arguments).
-        if torch.compiler.is_compiling():
-            raise RuntimeError("a STEM model reads its table rows in Python, which torch.compile cannot trace: "
-                               "run it eagerly (vLLM: enforce_eager=True, `vllm serve --enforce-eager`)")
         kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       past_key_values=past_key_values, inputs_embeds=inputs_embeds)
         _start_forward(self, (), kwargs)

@@ -37,6 +37,28 @@ PLACEMENTS = ("memory", "mmap", "host")
 DEFAULT_CACHE_ROWS = 2048  # the official STEM engine's LFU cache size
 
 
+def custom_op(name: str, fn, fake):
+    """`fn` as the custom op stem_upcycle::NAME with the shape function `fake`, registered once per process
+    (these files may be imported more than once: as stem_upcycle's modules and as a model's remote code).
+    A compiled graph calls it as it is, so what runs inside may read the host and branch on data."""
+    if not hasattr(torch.ops.stem_upcycle, name):
+        op = torch.library.custom_op(f"stem_upcycle::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+    return getattr(torch.ops.stem_upcycle, name)
+
+
+_PLACEMENTS = weakref.WeakValueDictionary()  # id -> placement, for the op below (ops take tensors and numbers)
+
+
+def _placed_rows(ids: torch.Tensor, placement: int, layer: int, d_ff: int, dtype: torch.dtype) -> torch.Tensor:
+    """[*ids.shape, d_ff] rows of `ids` in the table of `layer`, read by the placement with that id."""
+    return _PLACEMENTS[placement].rows(layer, ForwardIds(ids), ids.device, dtype)
+
+
+placed_rows = custom_op("placed_rows_v1", _placed_rows,
+                        lambda ids, placement, layer, d_ff, dtype: ids.new_empty((*ids.shape, d_ff), dtype=dtype))
+
+
 class PlacedTable(nn.Module):
     """A STEM MLP's `up_table` when the rows live outside the model: no parameter, no buffer, so that
     `.to()`, `device_map` and dtype casts never touch the table."""
@@ -44,8 +66,16 @@ class PlacedTable(nn.Module):
     def __init__(self, placement, layer: int):
         super().__init__()
         self.placement, self.layer = placement, layer
+        _PLACEMENTS[id(placement)] = placement
+
+    def __setstate__(self, state):  # a copy's placement (deepcopy, pickle) is one of its own for `placed_rows`
+        super().__setstate__(state)
+        _PLACEMENTS[id(self.placement)] = self.placement
 
     def forward(self, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the reads as one op of the graph (each layer's on its own)
+            d_ff = self.placement.stored[self.layer].shape[1]
+            return placed_rows(forward.ids, id(self.placement), self.layer, d_ff, dtype).to(device)
         return self.placement.rows(self.layer, forward, device, dtype)  # [batch, seq, d_ff]
 
     @property
@@ -125,6 +155,7 @@ class RowAccess:
     scales and read back as every forward reads it."""
 
     stored: dict  # layer -> StoredTable
+    compiles = True  # whether `rows` serves a compiled graph as an op, with no `begin`/`end` around the forward
 
     def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """[n, d_ff] rows of `ids` [n] in the table's float dtype (float32 for a compressed table)."""
@@ -443,6 +474,8 @@ class HostTables(RowAccess):
     on a side stream. A forward with more distinct ids than the cache can give (a long prefill)
     stages its rows in tensors of its own instead and leaves the cache as it is.
     """
+
+    compiles = False  # each forward's rows are staged into the device cache by `begin`
 
     name = "host"
 

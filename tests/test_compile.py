@@ -1,0 +1,112 @@
+"""A STEM model under torch.compile: traced whole (fullgraph), in a process where stem_upcycle cannot be
+imported, with the logits and the generated tokens of the eager model, for every placement a graph can serve."""
+
+import sys
+
+import pytest
+
+from stem_upcycle.compress import plan_compression, run_compression
+from stem_upcycle.convert import plan_conversion, run_conversion
+from stem_upcycle.source import open_source
+
+from .conftest import run_without_stem_upcycle, save_tiny_tokenizer, tiny_dense
+
+COMPILED = """
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+path, placements = sys.argv[1], sys.argv[2].split(",")
+torch.manual_seed(0)
+ids = torch.randint(0, 96, (2, 9))
+mask = torch.ones_like(ids)
+mask[1, :3] = 0  # left padding: row 1's first token is at position 3
+real = mask.bool()
+
+
+def load(placement):
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, stem_tables=placement).eval()
+
+
+for placement in placements:
+    model = load(placement)
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                cache_implementation="static")
+        forward = model.forward
+        model.forward = torch.compile(forward, fullgraph=True)
+        # a prompt's forward (every row holds its first token) and the decode steps of generate() (none does)
+        compiled = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(compiled[real], eager[real], rtol=1e-5, atol=1e-5)
+        again = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                               cache_implementation="static")
+        assert torch.equal(again, tokens), (placement, again, tokens)
+    print(placement, model.stem_tables, "ok")
+
+# the first-token rule reaches the compiled graph: with the first token's row instead of W_up the logits move
+model = load("memory")
+for layer in model.config.stem_layers:
+    model.model.layers[layer].mlp.up_proj = None
+model.forward = torch.compile(model.forward, fullgraph=True)
+with torch.no_grad():
+    assert not torch.allclose(model(input_ids=ids, attention_mask=mask).logits[real], eager[real], atol=1e-3)
+
+# a run-time edit is refused in one line when the graph is traced, not served wrong
+model = load("memory")
+RowEdit = sys.modules[type(model).__module__].RowEdit
+model.set_stem_row_edit(RowEdit(prompt_ids=ids, rows=torch.tensor([0]), positions=torch.tensor([4]),
+                                target_ids=torch.tensor([[5]]), weights=torch.tensor([[1.0]])))
+model.forward = torch.compile(model.forward, fullgraph=True)
+try:
+    model(input_ids=ids, attention_mask=mask)
+except Exception as err:
+    assert "applies to eager forwards only" in str(err), str(err)
+else:
+    raise AssertionError("a compiled model ran with a run-time edit")
+print(model.config.stem_table_groups)
+"""
+
+
+def _converted(tmp_path, layer_groups: int):
+    tiny_dense("llama").save_pretrained(tmp_path / "dense")
+    save_tiny_tokenizer(tmp_path / "dense")
+    plan = plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init="closed-form",
+                           layer_groups=layer_groups)
+    run_conversion(plan, tmp_path / "stem", progress=False)
+    return tmp_path / "stem"
+
+
+@pytest.mark.parametrize("layer_groups", [1, 2])
+def test_a_compiled_model_gives_the_logits_and_tokens_of_the_eager_one(tmp_path, layer_groups):
+    """Tables in memory (a parameter each, or side by side in a group: gathered inside the graph) and left in
+    the checkpoint's files (mmap: read by an op of the graph); the first tokens' dense up-projection is an op
+    of the graph too, which runs it only on forwards that hold one."""
+    out = run_without_stem_upcycle(COMPILED, _converted(tmp_path, layer_groups), "memory,mmap")
+    groups = "[[0, 2]]" if layer_groups == 2 else "None"
+    assert out.splitlines() == ["memory memory ok", "mmap mmap ok", groups]
+
+
+def test_compressed_tables_compile_and_host_is_refused(tmp_path, host_on_cpu):
+    """int8 tables held as read (memory) and read from the files (mmap) are read by the op; `host`, whose rows
+    are staged around each forward, is refused in one line when traced."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    stem = _converted(tmp_path, 1)
+    run_compression(plan_compression(open_source(str(stem)), "int8", block_size=16), tmp_path / "int8", progress=False)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    for placement in ("memory", "mmap"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "int8", stem_tables=placement).eval()
+        with torch.no_grad():
+            eager = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+            model.forward = torch.compile(model.forward, fullgraph=True)
+            compiled = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+        assert torch.equal(compiled, eager), placement
+    model = AutoModelForCausalLM.from_pretrained(stem, stem_tables="host").eval()
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    with pytest.raises(Exception, match="stem_tables='host' stages rows around each forward: load with "
+                                        "stem_tables='memory' or 'mmap' to compile"):
+        model(ids)
+    assert "stem_upcycle" in sys.modules  # in-process: the package's own classes (the remote ones are above)
