@@ -5,8 +5,8 @@
 
 Each setting runs in its own process, one after another: the dense parent, then the STEM model with its
 tables in vLLM's memory (the default: parameters, or groups of layers held as read) and in their files (`hf_overrides={"stem_tables":
-"mmap"}`). A setting creates `vllm.LLM` (through the Transformers backend, eager: the STEM layers read
-their rows in Python, and the dense parent runs the same way so that the two compare), then generates
+"mmap"}`). A setting creates `vllm.LLM` (through the Transformers backend, as vLLM runs a model by default:
+torch.compile; `--eager` runs every setting with enforce_eager, as STEM models had to be before), then generates
 `--new-tokens` tokens for each of `--requests` prompts submitted at once (continuous batching; greedy,
 end-of-text ignored so that every request is as long). Reported: load seconds, generated tokens/s, and
 the peak RSS of the process and its children (vLLM's engine and worker), sampled every 0.1 s.
@@ -42,7 +42,7 @@ def worker(args) -> None:
 
     started = time.perf_counter()
     llm = LLM(model=args.model, model_impl="transformers", trust_remote_code=True, dtype=args.dtype,
-              enforce_eager=True, max_model_len=args.prompt_words * 2 + args.new_tokens + 64,
+              enforce_eager=args.eager, max_model_len=args.prompt_words * 2 + args.new_tokens + 64,
               hf_overrides={"stem_tables": args.tables} if args.tables else None)
     loaded = time.perf_counter() - started
     prompts = [prompt_text(i, args.prompt_words) for i in range(args.requests)]
@@ -98,6 +98,7 @@ def main():
     parser.add_argument("--prompt-words", type=int, default=48)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--eager", action="store_true", help="every setting with enforce_eager (no torch.compile)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tables", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -108,11 +109,12 @@ def main():
                 "STEM, tables mmap": (args.model, "mmap")}
     cpu = platform.processor() or platform.machine()
     print(f"cpu: {cpu}, {os.cpu_count()} cores; {args.requests} requests x {args.new_tokens} new tokens, "
-          f"prompts of {args.prompt_words} words, {args.dtype}", flush=True)
+          f"prompts of {args.prompt_words} words, {args.dtype}, {'eager' if args.eager else 'compiled'}", flush=True)
     results = {}
     for name, (model, tables) in settings.items():
         command = [sys.executable, __file__, model, "--worker", "--requests", str(args.requests), "--prompt-words",
-                   str(args.prompt_words), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+                   str(args.prompt_words), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype,
+                   *(["--eager"] if args.eager else [])]
         process = subprocess.Popen(command + (["--tables", tables] if tables else []), stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, env={"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ})
         lines, peak = peak_rss_of(process)

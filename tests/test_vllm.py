@@ -52,11 +52,13 @@ def converted(tmp_path_factory):
     return out, expected, tokenizer
 
 
-def vllm_greedy(path, tables: str | None, env: dict | None = None) -> dict:
+def vllm_greedy(path, tables: str | None, env: dict | None = None, compile: bool = False) -> dict:
     """{prompt: token ids} of vLLM's greedy continuations (examples/vllm_generate.py); `tables`: the placement,
-    None for the model's default; `env`: added to the process's environment."""
+    None for the model's default; `env`: added to the process's environment; `compile`: vLLM's torch.compile
+    (else eager)."""
     command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *PROMPTS,
-               "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512", *(["--tables", tables] if tables else [])]
+               "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512", *(["--tables", tables] if tables else []),
+               *(["--compile"] if compile else [])]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**ENV, **(env or {})})
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return {r["prompt"]: r["token_ids"] for r in map(json.loads, filter(lambda l: l.startswith("{"),
@@ -67,6 +69,14 @@ def vllm_greedy(path, tables: str | None, env: dict | None = None) -> dict:
 def test_offline_batched_greedy_text_equals_transformers(converted, tables):
     path, expected, _ = converted
     assert vllm_greedy(path, tables) == expected
+
+
+@pytest.mark.parametrize("tables", ["memory", "mmap"])
+def test_compiled_serving_gives_the_greedy_text_of_transformers(converted, tables):
+    """Without enforce_eager: vLLM traces the model whole with torch.compile (its STEM layers gather their rows
+    inside the graph, or read them by an op: mmap) and serves the text Transformers' eager generate() gives."""
+    path, expected, _ = converted
+    assert vllm_greedy(path, tables, compile=True) == expected
 
 
 @pytest.mark.parametrize("tables", [None, "mmap"])
