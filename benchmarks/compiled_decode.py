@@ -6,7 +6,8 @@
 Transformers' generate(): batch 1, a 32-token prompt of real text, 64 greedy new tokens, fp32; STEM with its
 tables in memory (a compiled graph gathers their rows itself) and left in the files (mmap: an op of the graph
 reads them). "compiled": a static KV cache and `torch.compile(model.forward, mode="reduce-overhead",
-fullgraph=True)` (generate() then runs its decode steps through the compiled forward, the prompt eagerly).
+fullgraph=True)`, through which generate() runs the prompt and every decode step ("reduce-overhead" means CUDA
+graphs on a GPU, untested with STEM: this benchmark is the CPU's).
 Each model and mode is loaded fresh, STEM with this checkout's code (not the copy in the converted folder);
 the third run of each is reported (the first compiles). The models are benchmarks/inference.py's (made once
 under --work): the parent and its conversion with a third of the layers (closed-form tables: values do not

@@ -483,6 +483,9 @@ def train(recipe, output, overrides, resume, quiet, plan_only, launch_config):
 
     from .training.recipe import load_recipe
 
+    if launch_config and not plan_only:
+        raise click.UsageError("--launch-config describes the launch for --plan; launch a run with "
+                               "`accelerate launch --config_file FILE -m stem_upcycle.cli train ...`")
     recipe = load_recipe(recipe, list(overrides))
     if plan_only:
         from .source import open_source

@@ -15,9 +15,10 @@ COMPILED = """
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 path, placements = sys.argv[1], sys.argv[2].split(",")
+torch._dynamo.config.recompile_limit = 64  # decode_by_hand's growing mask recompiles, as the dense model's would
 torch.manual_seed(0)
 ids = torch.randint(0, 96, (2, 9))
 mask = torch.ones_like(ids)
@@ -29,17 +30,30 @@ def load(placement):
     return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, stem_tables=placement).eval()
 
 
+# logits [2, 9, vocab] of a prompt's first 5 tokens, then one token per forward with a KV cache and no position
+# ids (the first-token rule then reads the mask over the cached tokens)
+def decode_by_hand(model):
+    out = model(input_ids=ids[:, :5], attention_mask=mask[:, :5], cache=DynamicCache(config=model.config))
+    logits = [out.logits]
+    for t in range(5, 9):
+        out = model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=out.past_key_values)
+        logits.append(out.logits)
+    return torch.cat(logits, 1)
+
+
 for placement in placements:
     model = load(placement)
     with torch.no_grad():
         eager = model(input_ids=ids, attention_mask=mask).logits
         tokens = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                 cache_implementation="static")
+        by_hand = decode_by_hand(model)
         forward = model.forward
         model.forward = torch.compile(forward, fullgraph=True)
         # a prompt's forward (every row holds its first token) and the decode steps of generate() (none does)
         compiled = model(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(compiled[real], eager[real], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(decode_by_hand(model)[real], by_hand[real], rtol=1e-5, atol=1e-5)
         again = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                cache_implementation="static")
         assert torch.equal(again, tokens), (placement, again, tokens)
@@ -89,8 +103,9 @@ def test_a_compiled_model_gives_the_logits_and_tokens_of_the_eager_one(tmp_path,
 
 
 def test_compressed_tables_compile_and_host_is_refused(tmp_path, host_on_cpu):
-    """int8 tables held as read (memory) and read from the files (mmap) are read by the op; `host`, whose rows
-    are staged around each forward, is refused in one line when traced."""
+    """int8 tables held as read (memory) and read from the files (mmap) are read by the op; the exported code
+    compiles beside the package's in one process; `host`, whose rows are staged around each forward, is refused
+    when traced (dynamo wraps the error: its text names the fix)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -104,6 +119,17 @@ def test_compressed_tables_compile_and_host_is_refused(tmp_path, host_on_cpu):
             model.forward = torch.compile(model.forward, fullgraph=True)
             compiled = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
         assert torch.equal(compiled, eager), placement
+    # the exported modeling code, loaded as remote code in this process, which imported the package's copy: each
+    # copy calls ops of its own (their registries hold their own objects)
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    exported = get_class_from_dynamic_module("modeling_stem.StemForCausalLM", str(stem))
+    remote = exported.from_pretrained(stem, stem_tables="mmap").eval()
+    assert not type(remote).__module__.startswith("stem_upcycle")
+    with torch.no_grad():
+        eager = remote.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+        remote.forward = torch.compile(remote.forward, fullgraph=True)
+        assert torch.equal(remote.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static"), eager)
     model = AutoModelForCausalLM.from_pretrained(stem, stem_tables="host").eval()
     model.forward = torch.compile(model.forward, fullgraph=True)
     with pytest.raises(Exception, match="stem_tables='host' stages rows around each forward: load with "

@@ -56,13 +56,13 @@ def _env() -> dict:
 
 def _launch(*args, **kwargs) -> subprocess.CompletedProcess:
     run = subprocess.run(_command(*args, **kwargs), env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, _failure(run)
+    assert run.returncode == 0, _failure(run.stderr)
     return run
 
 
-def _failure(run) -> str:
+def _failure(stderr: str) -> str:
     """What a launched run's processes said: every process's error line (the root cause may be any rank's), the tail."""
-    return "\n".join([line for line in run.stderr.splitlines() if "Error" in line] + [run.stderr[-2000:]])
+    return "\n".join([line for line in stderr.splitlines() if "Error" in line] + [stderr[-2000:]])
 
 
 def _single(ws: Path, name: str, sets: list[str]) -> Path:
@@ -95,7 +95,7 @@ def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tabl
     two = workspace / "two"
     command = _command(workspace, two, DDP, [*extra, "train.micro_batch_size=2"])
     run = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, _failure(run)
+    assert run.returncode == 0, _failure(run.stderr)
     assert run.stdout.splitlines() == [f"wrote {two}"]  # by the main process alone
     _assert_same_run(single, two)
     memory = train_log(two)[-1]["host_memory_gb"]  # summed over the two processes
@@ -115,7 +115,7 @@ def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tabl
     # Resumed by both processes from the step-3 checkpoint (accelerate's state, tables into the shared copy):
     # step 4 again, with the same loss.
     again = subprocess.run(command + ["--resume"], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, _failure(again)
+    assert again.returncode == 0, _failure(again.stderr)
     resumed = train_log(two)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4] and resumed[-1]["loss"] == pytest.approx(train_log(single)[-1]["loss"], rel=1e-5)
 
@@ -169,7 +169,7 @@ def test_fsdp_that_accelerate_would_run_as_ddp_is_refused(workspace):
     command = _command(workspace, workspace / "cpu", FSDP, ["train.steps=1"])
     run = subprocess.run(command, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     errors = {line for line in run.stderr.splitlines() if line.startswith("Error:")}
-    assert run.returncode != 0 and len(errors) == 1 and "FSDP was asked for" in errors.pop(), _failure(run)
+    assert run.returncode != 0 and len(errors) == 1 and "FSDP was asked for" in errors.pop(), _failure(run.stderr)
     assert not (workspace / "cpu").exists()
 
 
@@ -190,7 +190,7 @@ def test_two_nodes_keep_a_copy_of_the_tables_each_and_train_as_one_process(works
                for c in commands]
     outputs = [p.communicate(timeout=600) for p in running]
     for p, (_, err) in zip(running, outputs):
-        assert p.returncode == 0, "\n".join([line for line in err.splitlines() if "Error" in line] + [err[-2000:]])
+        assert p.returncode == 0, _failure(err)
     assert [out.splitlines() for out, _ in outputs] == [[f"wrote {nodes}"], []]
     _assert_same_run(single, nodes)
     memory = train_log(nodes)[-1]["host_memory_gb"]  # 4 processes, 2 copies: each mapped by its node's 2 processes
@@ -213,7 +213,7 @@ def test_two_jobs_on_one_host_never_share_their_temporaries(workspace):
                for job in jobs]
     outputs = [p.communicate(timeout=600) for p in running]
     for p, (_, err) in zip(running, outputs):
-        assert p.returncode == 0, "\n".join([line for line in err.splitlines() if "Error" in line] + [err[-2000:]])
+        assert p.returncode == 0, _failure(err)
     for job in jobs:
         _assert_same_run(single, job)
     assert list((workspace / "shm").iterdir()) == []
@@ -265,6 +265,6 @@ def test_a_process_killed_mid_run_ends_the_job_and_resume_continues_from_its_las
     resumed = train_log(out)
     assert [r["step"] for r in resumed] == [r["step"] for r in reference] == list(range(last + 3))
     assert resumed[: last + 1] == logged[: last + 1]  # the log up to the checkpoint, kept as written
-    for r, ref in zip(resumed[1:], reference[1:]):
-        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5), r["step"]
+    for r, ref in zip(resumed[1:], reference[1:]):  # 2 processes against 1: sums in another order, ~10 steps
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-4), r["step"]
     assert (out / "config.json").exists()

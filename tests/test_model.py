@@ -203,10 +203,15 @@ def test_a_model_built_from_its_config_reads_the_tables_the_config_asks_for(tmp_
         AutoModel.from_config(config)
 
 
-def test_a_whole_graph_compile_of_the_base_model_says_to_run_it_eagerly(tmp_path, ids):
-    """vLLM compiles the base model whole unless told `enforce_eager`; the STEM layers' reads cannot be traced."""
+def test_the_base_model_compiles_whole_with_the_eager_hidden_states(tmp_path, ids):
+    """vLLM compiles the base model whole unless told `enforce_eager`, calling its `forward` with packed position
+    ids: the STEM layers' reads and the first-token rule are traced (before, the forward refused to be)."""
     tiny_stem().save_pretrained(tmp_path / "m")
     base = AutoModel.from_pretrained(tmp_path / "m").eval()
-    with pytest.raises(Exception, match="run it eagerly"):
-        torch.compile(base, backend="eager", fullgraph=True)(ids)
+    positions = torch.cat([torch.arange(4), torch.arange(7)])[None]  # two sequences packed in one row, as vLLM does
+    packed = ids[:1, :11]
+    with torch.no_grad():
+        eager = base.forward(input_ids=packed, position_ids=positions).last_hidden_state
+        compiled = torch.compile(base.forward, backend="eager", fullgraph=True)(input_ids=packed, position_ids=positions)
+    torch.testing.assert_close(compiled.last_hidden_state, eager, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()

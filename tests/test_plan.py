@@ -155,9 +155,12 @@ def test_a_plan_counts_each_part_and_divides_what_fsdp_shards(workspace, monkeyp
     sharded = {line.what.split(" (")[0]: line.bytes for line in four.device}
     for part in ("student dense weights", "gradients of the trainable weights", "AdamW state"):
         assert sharded[part] == math.ceil(lines[part] / 4)
-    assert sharded["teacher"] == lines["teacher"] and "one decoder layer gathered" in sharded
+    assert sharded["teacher"] == lines["teacher"] and "two decoder layers gathered" in sharded
     host = {line.what.split(" (")[0]: line.bytes for line in one.host}
     assert host["tables"] == layers * vocab * d_ff * 4 and host["table optimizer state"] == layers * (2 * vocab * d_ff * 4 + vocab * 8)
+    frozen = plan_training(load_recipe(None, train_overrides(workspace, "train.trainable=[mlp]")), Launch(), source, 40)
+    assert {line.what.split(" (")[0]: line.bytes for line in frozen.host}["table optimizer state"] == 0
+    assert {line.what.split(" (")[0]: line.bytes for line in frozen.device}["a step's rows"] == 40 * d_ff * 4 * layers
     # the CLI prints the plan, writes nothing, and fails in one line when OUTPUT's disk is too small
     recipe_file = workspace / "r.yaml"
     recipe_file.write_text("{}\n")
@@ -169,3 +172,8 @@ def test_a_plan_counts_each_part_and_divides_what_fsdp_shards(workspace, monkeyp
     result = CliRunner().invoke(main, ["train", str(recipe_file), "--output", str(workspace / "out"), "--plan", *sets])
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert result.exit_code == 1 and len(errors) == 1 and "disk: OUTPUT needs" in errors[0] and "0.0 GB free" in errors[0]
+    launch = workspace / "launch.yaml"
+    launch.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    result = CliRunner().invoke(main, ["train", str(recipe_file), "--output", str(workspace / "out"), "--launch-config",
+                                       str(launch), *sets])  # without --plan: the launch is accelerate's to make
+    assert result.exit_code == 2 and "--launch-config describes the launch for --plan" in result.output

@@ -73,7 +73,7 @@ def test_processes_share_the_tokenising_and_the_cache_is_reused(corpus, monkeypa
 
     def run(rank):
         results[rank] = tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", rank, 2, barrier.wait,
-                                        piece_bytes=500)
+                                        piece_bytes=500, run="threads")
 
     threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(2)]
     for t in threads:
@@ -166,7 +166,7 @@ def test_a_bad_record_in_one_process_share_stops_every_process(corpus):
     def run(rank):
         try:
             tokenize_corpus([tmp_path / "bad.jsonl"], tokenizer, "text", tmp_path / "cache", rank, 2, barrier.wait,
-                            piece_bytes=200)
+                            piece_bytes=200, run="threads")
         except DataError as err:
             errors[rank] = str(err)
 

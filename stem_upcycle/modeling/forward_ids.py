@@ -164,20 +164,21 @@ def first_tokens(ids: torch.Tensor, kwargs: dict, past: int) -> tuple[torch.Tens
 def first_token_mask(ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """[batch, seq] bool: which tokens of a forward are their sequence's first, computed on the ids' device
     without reading anything back to the host (a compiled forward's rule; `first_tokens` is the eager one):
-    position id 0 where the forward has position ids, else the first position the 2-D attention mask admits
-    (by the cache positions of this forward's tokens), else cache position 0."""
+    position id 0 where the forward has position ids; else, with a 2-D attention mask over the cached and the
+    new tokens [batch, past + seq], the first position it admits (left padding skipped) if it falls among this
+    forward's tokens (the last seq); else, after `past` cached tokens, position 0 if this forward holds it."""
     batch, seq = ids.shape
     positions = kwargs.get("position_ids")
     if positions is not None and positions.shape == ids.shape:
         return positions == 0
-    cache_position = kwargs.get("cache_position")
-    if cache_position is None:
-        cache_position = torch.arange(seq, device=ids.device)
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dim() == 2:
-        start = mask.int().argmax(1)  # [batch]: the first admitted position (left padding skipped)
-        return cache_position[None, :] == start[:, None]
-    return (cache_position == 0)[None, :].expand(batch, seq)
+        length = mask.shape[1]
+        here = torch.arange(length - seq, length, device=ids.device)  # this forward's positions in the mask
+        start = mask.to(ids.device).int().argmax(1)  # [batch]: the first admitted position
+        return here[None, :] == start[:, None]
+    past = cached_length(kwargs)
+    return (torch.arange(past, past + seq, device=ids.device) == 0)[None, :].expand(batch, seq)
 
 
 def cached_length(kwargs: dict) -> int:
@@ -202,8 +203,8 @@ class IdHandoff:
     def __init__(self):
         self._local = threading.local()
         self._latest = None
-        # A compiled forward's ids: an attribute that torch.compile traces (a thread-local it cannot); so a
-        # compiled model runs in one thread at a time, as compiled code does anyway (CUDA graphs, static caches).
+        # A compiled forward's ids, set and cleared by the base model's forward inside the traced graph: an
+        # attribute dynamo follows (the graph then reads its own input ids, whatever the attribute holds later).
         self.compiled: ForwardIds | None = None
 
     @property
@@ -226,6 +227,9 @@ class IdHandoff:
 
     def current(self, x: torch.Tensor) -> ForwardIds:
         if torch.compiler.is_compiling():
+            if self.compiled is None or self.compiled.ids.shape != x.shape[:-1]:
+                raise RuntimeError("a STEM MLP was compiled apart from its model's forward, which hands it the ids: "
+                                   "compile the model's forward (torch.compile(model.forward)) or the model")
             return self.compiled
         forward = getattr(self._local, "current", None) or self._latest
         if forward is None or forward.ids.shape != x.shape[:-1]:

@@ -113,13 +113,13 @@ def _dense_first_tokens(x: torch.Tensor, rows: torch.Tensor, first: torch.Tensor
     An op of its own in compiled graphs (`dense_first_tokens`): how many first tokens a forward holds is known
     only from the data, which a graph cannot branch on without a host read (and torch.cond, which could, trips
     dynamo on the context variables the `kernels` package wraps attention in)."""
-    batch, position = first.nonzero(as_tuple=True)
+    batch, position = first.to(x.device).nonzero(as_tuple=True)
     if not batch.numel():
         return rows.clone()  # a custom op returns no alias of its inputs
     return rows.index_put((batch, position), _MLPS[mlp].up_proj(x[batch, position]).to(rows.dtype))
 
 
-dense_first_tokens = custom_op("dense_first_tokens_v1", _dense_first_tokens,
+dense_first_tokens = custom_op("dense_first_tokens", _dense_first_tokens,
                                lambda x, rows, first, mlp: torch.empty_like(rows))
 
 
@@ -218,6 +218,9 @@ def _start_compiled_forward(module, ids: torch.Tensor, kwargs: dict) -> None:
 
 
 def _end_forward(module, args, kwargs, output):
+    if torch.compiler.is_compiling():
+        module.stem_token_ids.compiled = None  # no later forward may read these ids
+        return
     if module.stem_tables_placement is not None:
         module.stem_tables_placement.end(module.stem_token_ids.current_of_thread())
 

@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 import weakref
+import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import nullcontext
@@ -38,13 +39,17 @@ DEFAULT_CACHE_ROWS = 2048  # the official STEM engine's LFU cache size
 
 
 def custom_op(name: str, fn, fake):
-    """`fn` as the custom op stem_upcycle::NAME with the shape function `fake`, registered once per process
-    (these files may be imported more than once: as stem_upcycle's modules and as a model's remote code).
-    A compiled graph calls it as it is, so what runs inside may read the host and branch on data."""
-    if not hasattr(torch.ops.stem_upcycle, name):
-        op = torch.library.custom_op(f"stem_upcycle::{name}", fn, mutates_args=())
+    """`fn` as a custom op of this copy of the modeling files, with the shape function `fake`. These files may
+    be imported more than once in a process (as stem_upcycle's modules, and as each exported model's remote
+    code), each copy with its own registries and maybe other code: the op's name carries the module's, so that
+    each copy calls its own. Tagged unsafe for CUDA graphs (it reads the host and branches on data), so that a
+    compiled graph on a GPU runs it outside any captured graph. A compiled graph calls it as it is."""
+    qualified = f"{name}_{zlib.crc32(__name__.encode()):08x}"
+    if not hasattr(torch.ops.stem_upcycle, qualified):  # registered once per copy (a reload keeps the first)
+        tags = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+        op = torch.library.custom_op(f"stem_upcycle::{qualified}", fn, mutates_args=(), tags=tags)
         op.register_fake(fake)
-    return getattr(torch.ops.stem_upcycle, name)
+    return getattr(torch.ops.stem_upcycle, qualified)
 
 
 _PLACEMENTS = weakref.WeakValueDictionary()  # id -> placement, for the op below (ops take tensors and numbers)
@@ -55,7 +60,7 @@ def _placed_rows(ids: torch.Tensor, placement: int, layer: int, d_ff: int, dtype
     return _PLACEMENTS[placement].rows(layer, ForwardIds(ids), ids.device, dtype)
 
 
-placed_rows = custom_op("placed_rows_v1", _placed_rows,
+placed_rows = custom_op("placed_rows", _placed_rows,
                         lambda ids, placement, layer, d_ff, dtype: ids.new_empty((*ids.shape, d_ff), dtype=dtype))
 
 

@@ -31,7 +31,7 @@ import yaml
 from ..errors import UserError
 from ..modeling.table_files import is_table_tensor
 from ..table_init.protocol import FitOptions
-from .recipe import Recipe, RecipeError
+from .recipe import Recipe, check_batch
 from .student import is_trainable
 
 GB = 10**9
@@ -190,9 +190,7 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
         converting = dataclasses.replace(conversion, init=m.init, init_options=options).ram_estimate()
     config = source.config
     vocab, hidden, d_ff, n = config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    if t.batch_size % (launch.world * t.micro_batch_size):
-        raise RecipeError(f"train.batch_size {t.batch_size} must be a multiple of processes x micro_batch_size "
-                          f"({launch.world} x {t.micro_batch_size})")
+    check_batch(t, launch.world)
     plan = TrainingPlan(recipe, launch, layers, (vocab, hidden, d_ff, n), converting=converting)
     teacher = sum(math.prod(source.tensors.shape(name)) for name in source.tensors.names())
     dense = {name: math.prod(shape) for name, shape in tensors.items() if not is_table_tensor(name)}
@@ -213,20 +211,21 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
     # -- each process, on its device
     plan.device.append(Line(f"teacher ({'bf16' if plan.bf16 else 'fp32'}, whole)", teacher * width))
     plan.device.append(sharded("student dense weights (fp32)", sum(dense.values()), 4))
-    if launch.fsdp:
+    if launch.fsdp:  # the running layer and the next, prefetched, in the compute dtype
         layer = max(sum(c for name, c in dense.items() if f".layers.{i}." in name) for i in range(n))
-        plan.device.append(Line("one decoder layer gathered (FSDP)", layer * 4))
+        plan.device.append(Line("two decoder layers gathered (FSDP)", 2 * layer * width))
     plan.device.append(sharded("gradients of the trainable weights (fp32)", trainable, 4))
     plan.device.append(sharded("AdamW state (2 x fp32)", trainable, 8))
     bound = vocab if recipe.tables.optimizer == "adamw" else min(vocab, t.batch_size * recipe.data.seq_len)
     rows = bound if distinct_rows is None or recipe.tables.optimizer == "adamw" else min(distinct_rows, bound)
     plan.rows = (f"{rows} distinct ids" + (" (every row: tables.optimizer adamw)" if recipe.tables.optimizer == "adamw"
-                 else f" counted on {t.batch_size} x {recipe.data.seq_len} tokens of the training text"
+                 else f" in the first {t.batch_size} x {recipe.data.seq_len} tokens of the training text (an "
+                 f"estimate: steps draw their sequences from the whole corpus, which may hold more)"
                  if distinct_rows is not None else f" at most (the vocabulary or a step's {t.batch_size} x "
                  f"{recipe.data.seq_len} tokens; real text has fewer)"))
-    if "tables" in t.trainable or rows:
-        plan.device.append(Line(f"a step's rows and their gradients (fp32, {len(layers)} tables)",
-                                rows * d_ff * 8 * len(layers), f"{rows} rows"))
+    tables_train = "tables" in t.trainable
+    plan.device.append(Line(f"a step's rows{' and their gradients' if tables_train else ''} (fp32, {len(layers)} tables)",
+                            rows * d_ff * (8 if tables_train else 4) * len(layers), f"{rows} rows"))
     tokens = t.micro_batch_size * recipe.data.seq_len
     # one layer's saved tensors per token: norms, q k v o and residuals (~10 d), the MLP's gate, activation, rows
     # and product (4 d_ff), and on the CPU the attention weights (heads x seq: no flash kernel saves them away)
@@ -237,7 +236,7 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
                             "gradient checkpointing" if t.gradient_checkpointing else "no checkpointing"))
     plan.device.append(Line("runtime (Python, torch" + (", CUDA context)" if launch.device == "cuda" else ")"),
                             RUNTIME_BYTES[launch.device]))
-    if source.in_memory_bytes:  # a GGUF source, dequantised, stays in the process (the teacher is built from it)
+    if source.in_memory_bytes and launch.device == "cpu":  # a GGUF source, dequantised, stays in the process
         plan.device.append(Line("model.source held in memory (dequantised GGUF)", source.in_memory_bytes))
 
     # -- each machine, host memory
@@ -245,17 +244,22 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
     state = {"rowwise_adagrad": vocab * 4, "adam": 2 * table + vocab * 8, "adamw": 2 * table + vocab * 8}
     plan.host.append(Line(f"tables (fp32, {len(layers)} x [{vocab}, {d_ff}])", len(layers) * table,
                           "one copy, mapped by every process"))
-    plan.host.append(Line(f"table optimizer state ({recipe.tables.optimizer})", len(layers) * state[recipe.tables.optimizer]))
+    optimizer_state = len(layers) * state[recipe.tables.optimizer] if tables_train else 0  # no optimizer: frozen
+    plan.host.append(Line(f"table optimizer state ({recipe.tables.optimizer if tables_train else 'tables frozen'})",
+                          optimizer_state))
     if launch.device == "cuda":
         plan.host.append(Line(f"loading: teacher and student per process (x {launch.processes})",
                               launch.processes * (teacher * width + sum(dense.values()) * 4), "until moved to the GPU"))
+        if source.in_memory_bytes:  # a GGUF source, dequantised, stays in each process's host memory
+            plan.host.append(Line(f"model.source held in memory (dequantised GGUF, x {launch.processes})",
+                                  launch.processes * source.in_memory_bytes))
 
     # -- OUTPUT's disk
     everything = sum(math.prod(s) for s in tensors.values())
     if not m.init_from:
         plan.disk.append(Line("converted starting point (fp32, OUTPUT/init)", everything * 4))
     if t.checkpoint_every:
-        each = len(layers) * (table + state[recipe.tables.optimizer]) + sum(dense.values()) * 4 + trainable * 8
+        each = len(layers) * table + optimizer_state + sum(dense.values()) * 4 + trainable * 8
         plan.disk.append(Line(f"checkpoints ({t.keep_checkpoints} kept)", t.keep_checkpoints * each))
     if not recipe.tables.host_dir:
         plan.disk.append(Line("tables' host copy (OUTPUT/host-tables)", plan.host[0].bytes + plan.host[1].bytes))

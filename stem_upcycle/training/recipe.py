@@ -136,6 +136,13 @@ class LoraSection:
     target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
 
 
+def check_batch(train: TrainSection, processes: int) -> None:
+    """A step's sequences split evenly over the processes and their micro-batches, or a RecipeError."""
+    if train.batch_size % (processes * train.micro_batch_size):
+        raise RecipeError(f"train.batch_size {train.batch_size} must be a multiple of processes x micro_batch_size "
+                          f"({processes} x {train.micro_batch_size})")
+
+
 @dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)

@@ -90,25 +90,34 @@ def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, r
     """The corpus's token stream, tokenised now (this process's share of the pieces) unless cached in `root`.
 
     Every process of a run calls this with the same arguments; `wait` is a barrier across them. `run` names
-    the run (the same in all its processes; default: this process): runs that tokenise the same corpus at
-    once write their parts into folders of their own and each publishes the same tokens.bin atomically."""
+    the run, the same in all its processes (needed with several; one process: its own): runs that tokenise
+    the same corpus at once write their parts into folders of their own and each publishes the same
+    tokens.bin atomically. Whether this run tokenises is decided once, by its rank 0, so that its processes
+    agree even when another run publishes the corpus meanwhile."""
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no EOS token to put between documents")
+    if world > 1 and not run:
+        raise ValueError("several processes tokenise into one folder: give them the same `run`")
     folder = root / cache_key(files, tokenizer, text_field, piece_bytes)
     staging = folder / f"parts-{run or os.getpid()}-of-{world}"
-    done = (folder / "meta.json").exists()
-    if not done:  # each process encodes pieces rank, rank + world, ... into its own part file
-        staging.mkdir(parents=True, exist_ok=True)
+    decided = staging / "tokenise"  # made by rank 0 when the corpus is not cached yet
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed run's parts
+        if not (folder / "meta.json").exists():
+            staging.mkdir(parents=True)
+            decided.touch()
+    wait()
+    todo = decided.exists()
+    if todo:  # each process encodes pieces rank, rank + world, ... into its own part file
         failed = staging / f"part-{rank}.error"
-        failed.unlink(missing_ok=True)
         try:
             _encode_share(files, tokenizer, text_field, piece_bytes, rank, world, staging)
         except DataError as err:  # told to every process after the barrier, so that none waits for this one
             failed.write_text(str(err))
     wait()
-    if not done and (errors := sorted(staging.glob("part-*.error"))):
+    if todo and (errors := sorted(staging.glob("part-*.error"))):
         raise DataError(errors[0].read_text())
-    if not done and rank == 0:
+    if todo and rank == 0:
         _join(folder, staging, world, _dtype(tokenizer))
     wait()
     return TokenFile(folder)
@@ -129,6 +138,10 @@ def _encode_share(files, tokenizer, text_field: str, piece_bytes: int, rank: int
 
 def _join(folder: Path, staging: Path, world: int, dtype: np.dtype) -> None:
     """tokens.bin = the parts' pieces in piece order (piece i is the (i // world)-th of part i % world)."""
+    if missing := [r for r in range(world) if not (staging / f"part-{r}.json").exists()]:
+        raise DataError(f"the token parts of processes {missing} are not in {staging}: processes on other machines "
+                        f"wrote them elsewhere; several machines need data.cache_dir (and generated.cache_dir) on "
+                        f"a file system they all share")
     counts = [json.loads((staging / f"part-{r}.json").read_text()) for r in range(world)]
     parts = [(staging / f"part-{r}.bin").open("rb") for r in range(world)]
     total = sum(map(sum, counts))

@@ -37,7 +37,7 @@ from . import checkpoint, export
 from .data import MixedBatches, load_data, pack_ids
 from .starting_point import generated_text, initial_model
 from .losses import HeadLoss, head_loss
-from .recipe import Recipe
+from .recipe import Recipe, check_batch
 from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff, unwrap_lora
 from .tables import TABLE_OPTIMIZERS, SharedTables, clip_rows, distinct_ids
 
@@ -93,9 +93,7 @@ class Trainer:
             raise TrainError(f"{launched} processes were launched but accelerate started no distributed training, so "
                              f"each would train alone into the same DIR; on a machine without GPUs set "
                              f"ACCELERATE_USE_CPU=1 (`accelerate launch --cpu` itself starts one process only)")
-        if t.batch_size % (self.world * t.micro_batch_size):
-            raise TrainError(f"train.batch_size {t.batch_size} must be a multiple of processes x micro_batch_size "
-                             f"({self.world} x {t.micro_batch_size})")
+        check_batch(t, self.world)
         if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and acc.distributed_type != DistributedType.FSDP:
             # accelerate runs FSDP on accelerators only: on CPU processes it silently wraps the model in DDP
             raise TrainError(f"FSDP was asked for (accelerate launch --use_fsdp or an FSDP config) but accelerate "
