@@ -189,3 +189,22 @@ def test_bad_numbers_of_every_option_end_in_one_line(good, stem, tmp_path, optio
         else:
             assert says in one_line_error(args), (value, says)
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+@pytest.mark.parametrize("given, says", [
+    ("runs-that-do-not-exist/model", "runs-that-do-not-exist/model is neither a folder here nor a model in the local "
+                                     "Hugging Face cache (nothing is downloaded); give a converted model's folder"),
+    ("tests/no-such-model", "tests/no-such-model: no such folder; make it first (the README's convert command writes "
+                            "one in about 30 seconds), or give a converted model's folder"),
+])
+def test_the_chat_example_names_a_missing_model_in_one_line_without_reaching_the_hub(given, says):
+    """A folder only training makes, asked for before training (a path, or what looks like a hub id): one line,
+    never a hub lookup (the test's process has no hub to reach: a lookup would retry for 25 s and print more)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "examples" / "chat.py"), given], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [f"error: {says}"], run.stderr[-2000:]

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -12,6 +13,7 @@ from stem_upcycle.cli import main
 from stem_upcycle.source import ALIASES
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +174,19 @@ def test_knowledge_edit_example_runs_on_smollm2(converted, tmp_path):
     rates = report["summary"]
     assert rates["pairs"] == len(report["rows"]) == 2  # the summary is its rows' mean
     assert rates["runtime_success"] == sum(r["runtime_success"] for r in report["rows"]) / 2
+
+
+def test_the_chat_example_reads_turns_until_eof_and_answers_one_shot(converted):
+    """examples/chat.py as the README runs it: with stdin closed it reads nothing and ends; two turns piped in get
+    two answers, the second with the first in its context; a prompt argument gets one answer."""
+    chat = [sys.executable, str(ROOT / "examples" / "chat.py"), str(converted), "--max-new-tokens", "8"]
+    closed = subprocess.run(chat, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    assert closed.returncode == 0 and closed.stdout == "", closed.stderr[-2000:]
+    turns = subprocess.run(chat, input="What is the capital of France?\n\nAnd of Italy?\n", capture_output=True,
+                           text=True, timeout=600)
+    assert turns.returncode == 0, turns.stderr[-2000:]
+    replies = turns.stdout.split("model> ")[1:]  # each turn's reply starts so (a reply may span lines)
+    assert len(replies) == 2 and "you>" not in turns.stdout + turns.stderr  # piped: no prompts printed
+    one = subprocess.run(chat + ["What is the capital of France?"], stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=600)
+    assert one.returncode == 0 and one.stdout.strip() == replies[0].strip()
