@@ -432,7 +432,7 @@ def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) 
         raise ConversionError(f"{out} is not empty; choose an empty directory or pass --overwrite to replace it")
     if source.directory is not None and out.resolve() == source.directory.resolve():
         raise ConversionError(f"{out} is the source checkpoint itself; write the STEM model elsewhere")
-    parent = _existing_parent(out)
+    parent = existing_parent(out)
     try:  # a read-only or virtual file system (/proc, /sys) reports no free space: say what it is instead
         os.rmdir(tempfile.mkdtemp(prefix=".stem-upcycle-probe-", dir=parent))
     except OSError as err:
@@ -446,7 +446,8 @@ def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) 
         )
 
 
-def _existing_parent(path: Path) -> Path:
+def existing_parent(path: Path) -> Path:
+    """The nearest folder of PATH that exists: PATH itself, or its closest existing ancestor."""
     path = path.resolve()
     while not path.exists():
         path = path.parent

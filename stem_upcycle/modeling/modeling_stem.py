@@ -17,7 +17,6 @@ Exported next to the weights, so it imports only torch and transformers.
 
 import copy
 import threading
-import weakref
 
 import torch
 from torch import nn
@@ -29,7 +28,7 @@ import transformers
 
 from .configuration_stem import StemConfig
 from .forward_ids import ForwardIds, IdHandoff, RowEdit, cached_length, check_ids, first_token_mask, first_tokens
-from .stem_tables import MappedLinear, PlacedTable, custom_op, open_tables
+from .stem_tables import HANDLES, MappedLinear, PlacedTable, custom_op, handle, open_tables
 from .table_files import TABLE_TENSOR, StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
@@ -104,19 +103,22 @@ def _resized_table(table: MemoryTable, embedding: torch.Tensor, old: int, new: i
     return resized
 
 
-_MLPS = weakref.WeakValueDictionary()  # id -> StemMLP, for the op below (ops take tensors and numbers)
+def _dense_at(up_proj: nn.Module, x: torch.Tensor, rows: torch.Tensor, batch: torch.Tensor,
+              position: torch.Tensor) -> torch.Tensor:
+    """`rows` [batch, seq, d_ff] with up_proj(x) [batch, seq, d] at the tokens (batch, position)."""
+    return rows.index_put((batch, position), up_proj(x[batch, position]).to(rows.dtype))
 
 
 def _dense_first_tokens(x: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, mlp: int) -> torch.Tensor:
     """`rows` [batch, seq, d_ff] with the dense up-projection of x [batch, seq, d] at the `first` [batch, seq]
-    tokens, by the `up_proj` of the StemMLP with id `mlp` (a Linear, or W_up left in the files: MappedLinear).
+    tokens, by the `up_proj` of the StemMLP with handle `mlp` (a Linear, or W_up left in the files: MappedLinear).
     An op of its own in compiled graphs (`dense_first_tokens`): how many first tokens a forward holds is known
     only from the data, which a graph cannot branch on without a host read (and torch.cond, which could, trips
     dynamo on the context variables the `kernels` package wraps attention in)."""
     batch, position = first.to(x.device).nonzero(as_tuple=True)
     if not batch.numel():
         return rows.clone()  # a custom op returns no alias of its inputs
-    return rows.index_put((batch, position), _MLPS[mlp].up_proj(x[batch, position]).to(rows.dtype))
+    return _dense_at(HANDLES[mlp].up_proj, x, rows, batch, position)
 
 
 dense_first_tokens = custom_op("dense_first_tokens", _dense_first_tokens,
@@ -149,11 +151,11 @@ class StemMLP(nn.Module):
         self.token_ids = token_ids
         self.layer = layer  # the decoder layer's index, which run-time edits name
         self.up_proj = up_proj  # the dense up-projection, for the sequences' first tokens only (None: rows there too)
-        _MLPS[id(self)] = self
+        handle(self)
 
     def __setstate__(self, state):  # a copy (deepcopy, pickle) is an MLP of its own for `dense_first_tokens`
         super().__setstate__(state)
-        _MLPS[id(self)] = self
+        handle(self)
 
     @classmethod
     def from_config(cls, config: StemConfig, up_table, token_ids: IdHandoff, layer: int) -> "StemMLP":
@@ -169,10 +171,9 @@ class StemMLP(nn.Module):
         # The first tokens' rows give way to their dense up-projection (an edit's too: a first
         # token reads no row, so a persistent edit of the rows could not reach it either).
         if self.up_proj is not None and forward.first_mask is not None:  # compiled: an op the graph calls
-            return dense_first_tokens(x, rows, forward.first_mask, id(self))
+            return dense_first_tokens(x, rows, forward.first_mask, id(self))  # its handle
         if self.up_proj is not None and forward.first is not None:
-            batch, position = (t.to(x.device) for t in forward.first)
-            rows = rows.index_put((batch, position), self.up_proj(x[batch, position]).to(rows.dtype))
+            rows = _dense_at(self.up_proj, x, rows, *(t.to(x.device) for t in forward.first))
         return rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -52,12 +52,19 @@ def custom_op(name: str, fn, fake):
     return getattr(torch.ops.stem_upcycle, qualified)
 
 
-_PLACEMENTS = weakref.WeakValueDictionary()  # id -> placement, for the op below (ops take tensors and numbers)
+HANDLES = weakref.WeakValueDictionary()  # id -> object an op works with (ops take tensors and numbers, not objects)
+
+
+def handle(obj) -> int:
+    """A number that names `obj` to this copy's ops (`HANDLES`), for as long as it lives: its id, registered
+    when the object is made (traced code passes `id(obj)`: registering inside a graph cannot be traced)."""
+    HANDLES[id(obj)] = obj
+    return id(obj)
 
 
 def _placed_rows(ids: torch.Tensor, placement: int, layer: int, d_ff: int, dtype: torch.dtype) -> torch.Tensor:
-    """[*ids.shape, d_ff] rows of `ids` in the table of `layer`, read by the placement with that id."""
-    return _PLACEMENTS[placement].rows(layer, ForwardIds(ids), ids.device, dtype)
+    """[*ids.shape, d_ff] rows of `ids` in the table of `layer`, read by the placement with that handle."""
+    return HANDLES[placement].rows(layer, ForwardIds(ids), ids.device, dtype)
 
 
 placed_rows = custom_op("placed_rows", _placed_rows,
@@ -71,16 +78,16 @@ class PlacedTable(nn.Module):
     def __init__(self, placement, layer: int):
         super().__init__()
         self.placement, self.layer = placement, layer
-        _PLACEMENTS[id(placement)] = placement
+        handle(placement)
 
     def __setstate__(self, state):  # a copy's placement (deepcopy, pickle) is one of its own for `placed_rows`
         super().__setstate__(state)
-        _PLACEMENTS[id(self.placement)] = self.placement
+        handle(self.placement)
 
     def forward(self, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the reads as one op of the graph (each layer's on its own)
             d_ff = self.placement.stored[self.layer].shape[1]
-            return placed_rows(forward.ids, id(self.placement), self.layer, d_ff, dtype).to(device)
+            return placed_rows(forward.ids, id(self.placement), self.layer, d_ff, dtype).to(device)  # its handle
         return self.placement.rows(self.layer, forward, device, dtype)  # [batch, seq, d_ff]
 
     @property

@@ -31,7 +31,7 @@ import yaml
 from ..errors import UserError
 from ..modeling.table_files import is_table_tensor
 from ..table_init.protocol import FitOptions
-from .recipe import Recipe, check_batch
+from .recipe import Recipe, bf16_autocast, check_batch
 from .student import is_trainable
 
 GB = 10**9
@@ -97,8 +97,7 @@ class TrainingPlan:
 
     @property
     def bf16(self) -> bool:
-        p = self.recipe.train.precision
-        return p == "bf16" or (p == "auto" and self.launch.device == "cuda")
+        return bf16_autocast(self.recipe.train, self.launch.device == "cuda")
 
     def totals(self) -> tuple[int, int, int]:
         return tuple(sum(line.bytes for line in lines) for lines in (self.device, self.host, self.disk))
@@ -146,7 +145,9 @@ class TrainingPlan:
             if device > total:
                 problems.append(f"GPU memory: each process needs {device / GB:.1f} GB, this GPU has {total / GB:.1f} GB")
         if output is not None:
-            existing = next(p for p in [output.absolute(), *output.absolute().parents] if p.exists())
+            from ..convert import existing_parent
+
+            existing = existing_parent(output)
             free = shutil.disk_usage(existing).free
             if disk > free:
                 problems.append(f"disk: OUTPUT needs {disk / GB:.1f} GB, {existing} has {free / GB:.1f} GB free")
@@ -201,12 +202,11 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
                          if name.endswith(".weight") and len(tensors[name]) == 2 and
                          any(f".{target}." in name for target in targets))
     shard = launch.world if launch.fsdp else 1
-    split = f"1/{shard} of {{:.2f}} GB" if shard > 1 else ""
     width = 2 if plan.bf16 else 4
 
     def sharded(what: str, count: int, bytes_per: int) -> Line:
         whole = count * bytes_per
-        return Line(what, math.ceil(whole / shard), split.format(whole / GB) if shard > 1 else "")
+        return Line(what, math.ceil(whole / shard), f"1/{shard} of {whole / GB:.2f} GB" if shard > 1 else "")
 
     # -- each process, on its device
     plan.device.append(Line(f"teacher ({'bf16' if plan.bf16 else 'fp32'}, whole)", teacher * width))

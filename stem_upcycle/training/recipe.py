@@ -136,6 +136,11 @@ class LoraSection:
     target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
 
 
+def bf16_autocast(train: TrainSection, gpu_with_bf16: bool) -> bool:
+    """Whether training runs under bf16 autocast: asked for (`precision: bf16`), or `auto` on a GPU with bf16."""
+    return train.precision == "bf16" or (train.precision == "auto" and gpu_with_bf16)
+
+
 def check_batch(train: TrainSection, processes: int) -> None:
     """A step's sequences split evenly over the processes and their micro-batches, or a RecipeError."""
     if train.batch_size % (processes * train.micro_batch_size):

@@ -15,10 +15,10 @@ batch; the tables are one shared host copy per machine, see tables.SharedTables)
     OUTPUT/*.safetensors ... the trained STEM model, written at the end
 """
 
+import hashlib
 import math
 import os
 import resource
-import hashlib
 import shutil
 import sys
 import time
@@ -37,7 +37,7 @@ from . import checkpoint, export
 from .data import MixedBatches, load_data, pack_ids
 from .starting_point import generated_text, initial_model
 from .losses import HeadLoss, head_loss
-from .recipe import Recipe, check_batch
+from .recipe import Recipe, bf16_autocast, check_batch
 from .student import attach_tables, base_model, select_trainable, set_blend, set_handoff, unwrap_lora
 from .tables import TABLE_OPTIMIZERS, SharedTables, clip_rows, distinct_ids
 
@@ -75,6 +75,7 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> 
 class Trainer:
     def __init__(self, recipe: Recipe, output: Path, resume: bool = False, progress: bool = True):
         from accelerate import Accelerator, DistributedType
+        from accelerate.utils import parse_flag_from_env
 
         self.recipe, self.output, self.progress = recipe, Path(output), progress
         # names this run's temporaries in folders other runs share (token caches, tables.host_dir): the same in
@@ -84,7 +85,7 @@ class Trainer:
         if recipe.handoff.steps >= t.steps:
             raise TrainError(f"handoff.steps ({recipe.handoff.steps}) must be below train.steps ({t.steps}): "
                              f"the hand-off has to finish before the model is exported")
-        bf16 = t.precision == "bf16" or (t.precision == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        bf16 = bf16_autocast(t, torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         self.accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no")
         acc = self.accelerator
         self.world = acc.num_processes
@@ -94,7 +95,7 @@ class Trainer:
                              f"each would train alone into the same DIR; on a machine without GPUs set "
                              f"ACCELERATE_USE_CPU=1 (`accelerate launch --cpu` itself starts one process only)")
         check_batch(t, self.world)
-        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and acc.distributed_type != DistributedType.FSDP:
+        if parse_flag_from_env("ACCELERATE_USE_FSDP") and acc.distributed_type != DistributedType.FSDP:
             # accelerate runs FSDP on accelerators only: on CPU processes it silently wraps the model in DDP
             raise TrainError(f"FSDP was asked for (accelerate launch --use_fsdp or an FSDP config) but accelerate "
                              f"runs {acc.distributed_type.value} here, without sharding: it runs FSDP on GPUs only; on "
