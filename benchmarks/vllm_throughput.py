@@ -3,10 +3,12 @@
     .venv-vllm/bin/python benchmarks/vllm_throughput.py runs/smollm2-stem            # parent: smollm2-135m
     .venv-vllm/bin/python benchmarks/vllm_throughput.py STEM_DIR --parent DENSE_DIR --requests 64
 
-Each setting runs in its own process, one after another: the dense parent, then the STEM model with its
-tables in vLLM's memory (the default: parameters, or groups of layers held as read) and in their files (`hf_overrides={"stem_tables":
-"mmap"}`). A setting creates `vllm.LLM` (through the Transformers backend, as vLLM runs a model by default:
-torch.compile; `--eager` runs every setting with enforce_eager, as STEM models had to be before), then generates
+Each setting runs in its own process, one after another: the dense parent (vLLM's own Llama), then the STEM
+model as vLLM serves it with stem-upcycle installed (vLLM's own model with STEM MLPs, stem_upcycle/vllm_model.py),
+its tables in vLLM's memory (the default: parameters, or groups of layers held as read) and in their files
+(`hf_overrides={"stem_tables": "mmap"}`), and the STEM model through vLLM's Transformers backend with the exported
+code (as where stem-upcycle is not installed), tables in memory. A setting creates `vllm.LLM` (compiled, as vLLM
+runs a model by default; `--eager` runs every setting with enforce_eager), then generates
 `--new-tokens` tokens for each of `--requests` prompts submitted at once (continuous batching; greedy,
 end-of-text ignored so that every request is as long). Reported: load seconds, generated tokens/s, and
 the peak RSS of the process and its children (vLLM's engine and worker), sampled every 0.1 s.
@@ -41,7 +43,7 @@ def worker(args) -> None:
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=args.model, model_impl="transformers", trust_remote_code=True, dtype=args.dtype,
+    llm = LLM(model=args.model, model_impl=args.impl, trust_remote_code=True, dtype=args.dtype,
               enforce_eager=args.eager, max_model_len=args.prompt_words * 2 + args.new_tokens + 64,
               hf_overrides={"stem_tables": args.tables} if args.tables else None)
     loaded = time.perf_counter() - started
@@ -101,20 +103,23 @@ def main():
     parser.add_argument("--eager", action="store_true", help="every setting with enforce_eager (no torch.compile)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tables", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
 
-    settings = {"dense parent": (parent_folder(args.parent), None), "STEM, tables in memory": (args.model, "memory"),
-                "STEM, tables mmap": (args.model, "mmap")}
+    settings = {"dense parent": (parent_folder(args.parent), None, "auto"),
+                "STEM, tables in memory": (args.model, "memory", "auto"),
+                "STEM, tables mmap": (args.model, "mmap", "auto"),
+                "STEM, Transformers backend": (args.model, "memory", "transformers")}
     cpu = platform.processor() or platform.machine()
     print(f"cpu: {cpu}, {os.cpu_count()} cores; {args.requests} requests x {args.new_tokens} new tokens, "
           f"prompts of {args.prompt_words} words, {args.dtype}, {'eager' if args.eager else 'compiled'}", flush=True)
     results = {}
-    for name, (model, tables) in settings.items():
+    for name, (model, tables, impl) in settings.items():
         command = [sys.executable, __file__, model, "--worker", "--requests", str(args.requests), "--prompt-words",
                    str(args.prompt_words), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype,
-                   *(["--eager"] if args.eager else [])]
+                   "--impl", impl, *(["--eager"] if args.eager else [])]
         process = subprocess.Popen(command + (["--tables", tables] if tables else []), stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, env={"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ})
         lines, peak = peak_rss_of(process)
@@ -123,7 +128,7 @@ def main():
             sys.exit(f"{name} failed:\n" + "".join(lines[-40:]))
         results[name] = {**json.loads(found[-1][7:]), "peak_rss_gb": peak}
         r = results[name]
-        print(f"{name:24s} load {r['load_s']:5.1f} s  {r['tokens_per_s']:7.1f} tok/s  peak RSS {peak:5.2f} GB",
+        print(f"{name:26s} load {r['load_s']:5.1f} s  {r['tokens_per_s']:7.1f} tok/s  peak RSS {peak:5.2f} GB",
               flush=True)
     dense = results["dense parent"]
     print("\n| setting | load s | generated tok/s | vs parent | peak RSS GB | vs parent |\n|---|---|---|---|---|---|")

@@ -48,13 +48,13 @@ def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):
     return model
 
 
-def tiny_stem(model_type="llama", layers=(0, 2), seed=0, dense_first_token=True):
+def tiny_stem(model_type="llama", layers=(0, 2), seed=0, dense_first_token=True, **overrides):
     """A random STEM model of the family (its tiny_dense parent's config, tables random), in eval mode."""
     from stem_upcycle import StemForCausalLM
     from stem_upcycle.convert import stem_config
     from stem_upcycle.families import family_for
 
-    dense = tiny_dense(model_type, seed=seed)
+    dense = tiny_dense(model_type, seed=seed, **overrides)
     config = stem_config(dense.config, family_for(model_type), list(layers), "random", torch.float32, False,
                          dense_first_token)
     torch.manual_seed(seed)

@@ -136,3 +136,30 @@ def test_compressed_tables_compile_and_host_is_refused(tmp_path, host_on_cpu):
                                         "stem_tables='memory' or 'mmap' to compile"):
         model(ids)
     assert "stem_upcycle" in sys.modules  # in-process: the package's own classes (the remote ones are above)
+
+
+HANDLES = """
+import sys
+
+from transformers import AutoModelForCausalLM
+
+def handles(model):
+    mlps = [model.model.layers[i].mlp for i in model.config.stem_layers]
+    return [mlp.stem_handle for mlp in mlps] + [mlps[0].up_table.placement.stem_handle]
+
+first, second = (AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, stem_tables="mmap")
+                 for _ in range(2))
+print(handles(first), handles(second))
+"""
+
+
+def test_the_numbers_a_graph_names_its_objects_by_are_the_same_in_every_process(tmp_path):
+    """A compiled graph holds, as constants, the numbers by which its ops find the model's objects (an MLP's dense
+    first-token projection, a placement's files); vLLM caches compiled graphs on disk and runs them in later
+    processes, so a process that builds the same model must give them the same numbers (not ids, which differ),
+    and two models in one process different ones."""
+    stem = _converted(tmp_path, 1)
+    runs = [run_without_stem_upcycle(HANDLES, stem) for _ in range(2)]
+    assert runs[0] == runs[1]
+    first, second = runs[0].strip().split("] [")
+    assert first != second and len(set(first.split(", "))) == 3, runs[0]

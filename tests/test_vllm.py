@@ -19,6 +19,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from stem_upcycle.convert import plan_conversion, run_conversion
+from stem_upcycle.source import open_source
+
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here")]
 
@@ -52,31 +55,101 @@ def converted(tmp_path_factory):
     return out, expected, tokenizer
 
 
-def vllm_greedy(path, tables: str | None, env: dict | None = None, compile: bool = False) -> dict:
+NATIVE = "STEM model served natively"  # what the plugin's model logs when vLLM builds it (stem_upcycle/vllm_model.py)
+
+
+def vllm_greedy(path, tables: str | None, env: dict | None = None, compile: bool = False, impl: str = "auto",
+                served: str | None = NATIVE, max_model_len: int = 512, prompts=PROMPTS, args=(),
+                logprobs: bool = False) -> dict:
     """{prompt: token ids} of vLLM's greedy continuations (examples/vllm_generate.py); `tables`: the placement,
     None for the model's default; `env`: added to the process's environment; `compile`: vLLM's torch.compile
-    (else eager)."""
-    command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *PROMPTS,
-               "--max-tokens", str(NEW_TOKENS), "--max-model-len", "512", *(["--tables", tables] if tables else []),
-               *(["--compile"] if compile else [])]
+    (else eager); `impl`: vLLM's model implementation ("auto": the STEM plugin's model, as stem-upcycle installed
+    beside vLLM gives; "transformers": the Transformers backend with the exported code); `served`: a line vLLM's
+    log must hold (None: the plugin's model must not have served); `args`: more of the example's options;
+    `logprobs`: {prompt: (token ids, their logprobs)} instead."""
+    command = [sys.executable, str(ROOT / "examples" / "vllm_generate.py"), str(path), *prompts,
+               "--max-tokens", str(NEW_TOKENS), "--full-length", "--max-model-len", str(max_model_len),
+               "--impl", impl, *(["--tables", tables] if tables else []), *(["--compile"] if compile else []), *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**ENV, **(env or {})})
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return {r["prompt"]: r["token_ids"] for r in map(json.loads, filter(lambda l: l.startswith("{"),
-                                                                         result.stdout.splitlines()))}
+    log = result.stdout + result.stderr
+    assert (served in log) if served else (NATIVE not in log), log[-4000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return {r["prompt"]: (r["token_ids"], r["logprobs"]) if logprobs else r["token_ids"] for r in records}
 
 
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
 @pytest.mark.parametrize("tables", ["memory", "mmap"])
-def test_offline_batched_greedy_text_equals_transformers(converted, tables):
+def test_offline_batched_greedy_text_equals_transformers(converted, tables, impl):
+    """vLLM's own Llama with STEM MLPs (the plugin, "auto") and the Transformers backend with the exported code."""
     path, expected, _ = converted
-    assert vllm_greedy(path, tables) == expected
+    assert vllm_greedy(path, tables, impl=impl, served=NATIVE if impl == "auto" else None) == expected
 
 
-@pytest.mark.parametrize("tables", ["memory", "mmap"])
-def test_compiled_serving_gives_the_greedy_text_of_transformers(converted, tables):
+@pytest.mark.parametrize("tables, impl", [("memory", "auto"), ("mmap", "auto"), ("mmap", "transformers")])
+def test_compiled_serving_gives_the_greedy_text_of_transformers(converted, tables, impl):
     """Without enforce_eager: vLLM traces the model whole with torch.compile (its STEM layers gather their rows
     inside the graph, or read them by an op: mmap) and serves the text Transformers' eager generate() gives."""
     path, expected, _ = converted
-    assert vllm_greedy(path, tables, compile=True) == expected
+    assert vllm_greedy(path, tables, compile=True, impl=impl, served=NATIVE if impl == "auto" else None) == expected
+
+
+@pytest.mark.parametrize("family, served", [("qwen3", NATIVE), ("gemma", NATIVE), ("granite", NATIVE),
+                                            ("phi3", NATIVE), ("olmo2", "served by vLLM's Transformers backend")])
+def test_every_family_is_served_with_the_greedy_text_of_transformers(family, served, tmp_path):
+    """A tiny random STEM model of each family vLLM has a class for, with its numerics (Qwen3's q/k norms, Gemma's
+    GELU and embedding scale, Granite's multipliers and MLP biases, Phi-3's fused dense gate/up), served by that
+    class with STEM MLPs; OLMo2, which vLLM serves through its Transformers backend, is served so."""
+    from transformers import AutoModelForCausalLM
+
+    from .conftest import export_stem, save_tiny_tokenizer, tiny_stem
+
+    # heads of 32: vLLM's CPU attention has kernels for some head sizes alone; special tokens in the vocabulary
+    special = dict(bos_token_id=94, eos_token_id=94, pad_token_id=94)
+    path = export_stem(tiny_stem(family, layers=(0, 2), hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                 head_dim=32, **special), tmp_path / family)
+    save_tiny_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32,
+                                                 stem_tables="memory").eval()
+    prompts = ["w1 w5 w9 w13", "w40 w2", "w7"]
+    expected = {}
+    for prompt, ids in zip(prompts, ([1, 5, 9, 13], [40, 2], [7])):
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False)
+        expected[prompt] = out[0, len(ids):].tolist()
+    assert vllm_greedy(path, None, served=served, max_model_len=64, prompts=prompts) == expected
+
+
+@pytest.mark.parametrize("tables", [None, "mmap"])
+def test_two_tensor_parallel_processes_split_the_tables_and_give_the_logprobs_of_transformers(tables, tmp_path):
+    """Tensor parallelism (2 CPU processes, one core each): each rank holds its columns of the gate, of the rows
+    (grouped tables in memory, split per layer; mmap: read whole, then cut) and of the first token's up_proj, and
+    the down-projection sums the ranks'. Tokens and their logprobs equal Transformers' (a rank reading the wrong
+    columns moves them)."""
+    from transformers import AutoModelForCausalLM
+
+    from .conftest import save_tiny_tokenizer, tiny_dense
+
+    dense = tiny_dense("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, bos_token_id=94,
+                       eos_token_id=94, pad_token_id=94)
+    dense.save_pretrained(tmp_path / "dense")
+    save_tiny_tokenizer(tmp_path / "dense")
+    run_conversion(plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init="closed-form"),
+                   tmp_path / "stem", progress=False)
+    assert json.loads((tmp_path / "stem" / "config.json").read_text())["stem_table_groups"] == [[0, 2]]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", trust_remote_code=True, dtype=torch.float32,
+                                                 stem_tables="memory").eval()
+    prompts = ["w1 w5 w9 w13", "w40 w2", "w7"]
+    served = vllm_greedy(tmp_path / "stem", tables, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, max_model_len=64,
+                         prompts=prompts, args=("--tensor-parallel-size", "2"), logprobs=True)
+    for prompt in prompts:
+        ids = torch.tensor([[int(word[1:]) for word in prompt.split()]])
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)  # raw, as vLLM's logprobs
+        tokens = out.sequences[0, ids.shape[1]:]
+        expected = torch.stack(out.logits)[:, 0].log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        assert served[prompt][0] == tokens.tolist(), prompt
+        torch.testing.assert_close(torch.tensor(served[prompt][1]), expected, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("tables", [None, "mmap"])
@@ -159,7 +232,7 @@ def test_openai_server_answers_concurrent_requests_with_the_greedy_text_of_trans
     # `python -m vllm.entrypoints.openai.api_server` is `vllm serve`; vllm-cpu's `vllm` command looks up the
     # metadata of a package named vllm, which it is not, and fails before serving.
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-                               "--model-impl", "transformers", "--trust-remote-code", "--dtype", "float32",
+                               "--trust-remote-code", "--dtype", "float32",
                                "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1",
                                "--port", str(port)],
                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

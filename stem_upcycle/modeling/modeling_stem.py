@@ -151,11 +151,11 @@ class StemMLP(nn.Module):
         self.token_ids = token_ids
         self.layer = layer  # the decoder layer's index, which run-time edits name
         self.up_proj = up_proj  # the dense up-projection, for the sequences' first tokens only (None: rows there too)
-        handle(self)
+        handle(self, "mlp")
 
     def __setstate__(self, state):  # a copy (deepcopy, pickle) is an MLP of its own for `dense_first_tokens`
         super().__setstate__(state)
-        handle(self)
+        handle(self, "mlp")
 
     @classmethod
     def from_config(cls, config: StemConfig, up_table, token_ids: IdHandoff, layer: int) -> "StemMLP":
@@ -171,7 +171,7 @@ class StemMLP(nn.Module):
         # The first tokens' rows give way to their dense up-projection (an edit's too: a first
         # token reads no row, so a persistent edit of the rows could not reach it either).
         if self.up_proj is not None and forward.first_mask is not None:  # compiled: an op the graph calls
-            return dense_first_tokens(x, rows, forward.first_mask, id(self))  # its handle
+            return dense_first_tokens(x, rows, forward.first_mask, self.stem_handle)
         if self.up_proj is not None and forward.first is not None:
             rows = _dense_at(self.up_proj, x, rows, *(t.to(x.device) for t in forward.first))
         return rows

@@ -52,14 +52,24 @@ def custom_op(name: str, fn, fake):
     return getattr(torch.ops.stem_upcycle, qualified)
 
 
-HANDLES = weakref.WeakValueDictionary()  # id -> object an op works with (ops take tensors and numbers, not objects)
+HANDLES = weakref.WeakValueDictionary()  # number -> object an op works with (ops take tensors and numbers)
+_HANDLES_MADE = Counter()  # handles made so far in this process, per kind of object
 
 
-def handle(obj) -> int:
-    """A number that names `obj` to this copy's ops (`HANDLES`), for as long as it lives: its id, registered
-    when the object is made (traced code passes `id(obj)`: registering inside a graph cannot be traced)."""
-    HANDLES[id(obj)] = obj
-    return id(obj)
+def handle(obj, kind: str) -> int:
+    """A number that names `obj` to this copy's ops (`HANDLES`) for as long as it lives, kept as `obj.stem_handle`
+    (traced code passes it: registering inside a graph cannot be traced). A compiled graph holds the number as a
+    constant, and a cache of compiled graphs (vLLM's) may run it in another process: so the number is not the
+    object's id but follows from `kind` and how many handles of that kind this process made before, the same in
+    every process that builds the same model."""
+    made = _HANDLES_MADE[kind]
+    number = zlib.crc32(f"{kind}#{made}".encode())
+    while number in HANDLES:  # another kind's number, by chance
+        number = (number + 1) % 2**32
+    _HANDLES_MADE[kind] = made + 1
+    HANDLES[number] = obj
+    obj.stem_handle = number
+    return number
 
 
 def _placed_rows(ids: torch.Tensor, placement: int, layer: int, d_ff: int, dtype: torch.dtype) -> torch.Tensor:
@@ -78,16 +88,16 @@ class PlacedTable(nn.Module):
     def __init__(self, placement, layer: int):
         super().__init__()
         self.placement, self.layer = placement, layer
-        handle(placement)
+        handle(placement, "placement")
 
     def __setstate__(self, state):  # a copy's placement (deepcopy, pickle) is one of its own for `placed_rows`
         super().__setstate__(state)
-        handle(self.placement)
+        handle(self.placement, "placement")
 
     def forward(self, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the reads as one op of the graph (each layer's on its own)
             d_ff = self.placement.stored[self.layer].shape[1]
-            return placed_rows(forward.ids, id(self.placement), self.layer, d_ff, dtype).to(device)  # its handle
+            return placed_rows(forward.ids, self.placement.stem_handle, self.layer, d_ff, dtype).to(device)
         return self.placement.rows(self.layer, forward, device, dtype)  # [batch, seq, d_ff]
 
     @property

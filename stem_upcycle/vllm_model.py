@@ -1,0 +1,250 @@
+"""STEM models served natively by vLLM: vLLM's own model of the dense family, with a STEM MLP in place of its
+MLP in each converted layer.
+
+Registered by `vllm_plugin.py`: with stem-upcycle installed beside vLLM, `LLM(model=FOLDER)` builds this model for
+a config whose architecture is `StemForCausalLM`; `model_impl="transformers"` still serves the folder through
+vLLM's Transformers backend with the modeling code exported next to the weights, as where stem-upcycle is not
+installed.
+
+One mechanism serves every family, as `modeling_stem.py` does for Transformers: `StemForCausalLM(...)` builds a
+subclass of the vLLM class of the dense family (`StemLlamaForCausalLM`, ...) that differs in the MLPs of the
+STEM layers, in how they learn the batch's token ids and positions, and in loading the STEM tensors. Attention,
+KV cache, norms, logits and weight names of the dense parts are vLLM's own. A family vLLM runs only through its
+Transformers backend is served that way.
+
+Inside vLLM's torch.compile graph: forward pre-hooks of the embedding and of each STEM decoder layer hand the
+token ids and positions to the STEM MLPs (traced, so they are tensors of the graph); tables in memory are
+gathered in the graph; tables read from the files (mmap, or compressed and held as stored) are read by the
+`placed_rows` op of `modeling/stem_tables.py`; each sequence's first token (position 0) keeps the dense
+up-projection through the op below, which computes it for those tokens alone.
+"""
+
+import torch
+from torch import nn
+from transformers.models.auto import modeling_auto
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import get_act_fn
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.models import ModelRegistry
+from vllm.logger import init_logger
+from vllm.model_executor.utils import set_weight_attrs
+
+from .modeling.modeling_stem import placement_of_config
+from .modeling.stem_tables import HANDLES, custom_op, handle, placed_rows
+from .modeling.table_files import StemTablesError, is_table_tensor
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which vLLM configures and prints
+
+class BatchIds:
+    """The token ids and positions [n] of the running batch, set by hooks as the model's forward runs (a plain
+    object, so that inside a compiled forward the attributes hold the graph's tensors)."""
+
+    ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+def _first_token_up(x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, mlp: int) -> torch.Tensor:
+    """`rows` [n, d_ff / tp] with the dense up-projection of x [n, d] at the tokens at position 0, by the `up_proj`
+    of the StemMLP with handle `mlp` (a module, not its weight: vLLM may repack a layer's weight for its kernels).
+    An op: how many such tokens a batch holds is known only from the data."""
+    (first,) = (positions == 0).nonzero(as_tuple=True)
+    if not first.numel():
+        return rows.clone()  # a custom op returns no alias of its inputs
+    up, _ = HANDLES[mlp].up_proj(x[first])
+    return rows.index_put((first,), up.to(rows.dtype))
+
+
+first_token_up = custom_op("vllm_first_token_up", _first_token_up,
+                           lambda x, rows, positions, mlp: torch.empty_like(rows))
+
+
+def _columns(width: int) -> slice:
+    """This tensor-parallel rank's share of `width` columns (the gate's output columns, which the rows meet)."""
+    size = width // get_tensor_model_parallel_world_size()
+    rank = get_tensor_model_parallel_rank()
+    return slice(rank * size, (rank + 1) * size)
+
+
+class MemoryRows(nn.Module):
+    """A table in vLLM's memory: a parameter [vocab, d_ff / tp] named as stored (`mlp.up_table.weight`), or the
+    layer's columns of its group's parameter (`TableGroup`). Gathered inside the graph."""
+
+    def __init__(self, vocab: int, d_ff: int, group: "TableGroup | None" = None, index: int = 0):
+        super().__init__()
+        if group is None:
+            self.weight = nn.Parameter(torch.empty(vocab, d_ff // get_tensor_model_parallel_world_size()),
+                                       requires_grad=False)
+            set_weight_attrs(self.weight, {"weight_loader": self._load})
+        self.__dict__["group"] = group  # not a submodule: the group's parameter is the model's, named as stored
+        self.index = index  # this layer's place in its group
+
+    def _load(self, param: nn.Parameter, stored: torch.Tensor) -> None:
+        param.data.copy_(stored[:, _columns(stored.shape[1])])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, d_ff / tp]
+        if self.group is None:
+            return nn.functional.embedding(ids, self.weight)
+        width = self.group.weight.shape[1] // self.group.layers
+        return nn.functional.embedding(ids, self.group.weight[:, self.index * width : (self.index + 1) * width])
+
+
+class TableGroup(nn.Module):
+    """The tables of a group of layers in memory: [vocab, layers x d_ff / tp], each layer's share of its own
+    columns side by side (`model.stem_table_groups.K.weight`, stored [vocab, layers x d_ff])."""
+
+    def __init__(self, vocab: int, d_ff: int, layers: int):
+        super().__init__()
+        self.layers = layers
+        self.weight = nn.Parameter(torch.empty(vocab, layers * d_ff // get_tensor_model_parallel_world_size()),
+                                   requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": self._load})
+
+    def _load(self, param: nn.Parameter, stored: torch.Tensor) -> None:
+        per_layer = stored.view(stored.shape[0], self.layers, -1)  # [vocab, layers, d_ff]
+        param.data.copy_(per_layer[:, :, _columns(per_layer.shape[2])].reshape(param.shape))
+
+
+class PlacedRows(nn.Module):
+    """A table read from the checkpoint's files as the batch needs its rows (mmap; compressed tables held as
+    stored and decoded row by row): the placement of `modeling/stem_tables.py`, through its op."""
+
+    def __init__(self, placement, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.placement, self.layer, self.dtype = placement, layer, dtype
+        self.d_ff = placement.stored[layer].shape[1]
+        handle(placement, "placement")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, d_ff / tp]
+        rows = placed_rows(ids, self.placement.stem_handle, self.layer, self.d_ff, self.dtype)
+        return rows[:, _columns(self.d_ff)]
+
+
+class StemMLP(nn.Module):
+    """down(act(gate(x)) * rows[ids]), with vLLM's tensor-parallel layers: the gate's output columns and the
+    rows' columns are split alike, the down-projection reduces. With `up_proj`, each sequence's first token
+    keeps the dense up-projection (`StemMLP` of modeling_stem.py says why)."""
+
+    def __init__(self, config, rows: nn.Module, batch: BatchIds, quant_config, prefix: str):
+        super().__init__()
+        hidden, d_ff, bias = config.hidden_size, config.intermediate_size, config.stem_mlp_bias
+        self.gate_proj = ColumnParallelLinear(hidden, d_ff, bias=bias, quant_config=quant_config,
+                                              prefix=f"{prefix}.gate_proj")
+        self.down_proj = RowParallelLinear(d_ff, hidden, bias=bias, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
+        self.up_proj = ColumnParallelLinear(hidden, d_ff, bias=bias, quant_config=quant_config,
+                                            prefix=f"{prefix}.up_proj") if config.stem_dense_first_token else None
+        self.act_fn = get_act_fn(config.stem_activation)
+        self.up_table = rows
+        self.__dict__["batch"] = batch  # shared by the model's STEM MLPs
+        handle(self, "vllm-mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, d]
+        rows = self.up_table(self.batch.ids).to(x.dtype)  # [n, d_ff / tp]
+        if self.up_proj is not None:
+            rows = first_token_up(x, rows, self.batch.positions, self.stem_handle)
+        gate, _ = self.gate_proj(x)
+        out, _ = self.down_proj(self.act_fn(gate) * rows)
+        return out
+
+
+def _hold_ids(batch: BatchIds):
+    def hook(module, args):
+        batch.ids = args[0]  # embed_tokens(input_ids)
+    return hook
+
+
+def _hold_positions(batch: BatchIds):
+    def hook(module, args, kwargs):
+        batch.positions = args[0] if args else kwargs["positions"]  # layer(positions, hidden_states, ...)
+    return hook
+
+
+class _StemLayers:
+    """What the STEM subclass of a dense family's vLLM class adds to it."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # Difference from the dense family: the MLPs of the STEM layers are replaced, before any weight loads.
+        config = vllm_config.model_config.hf_config
+        if vllm_config.model_config.enable_prompt_embeds:
+            raise ValueError("STEM layers look up table rows by token id, which prompt embeddings do not give: "
+                             "serve a STEM model without enable_prompt_embeds")
+        placement = placement_of_config(config)
+        if placement is not None and not placement.compiles:
+            raise StemTablesError(f"stem_tables={placement.name!r} stages rows around each forward, which vLLM's "
+                                  f"model runner does not do: serve with stem_tables 'memory' or 'mmap'")
+        inner, batch = self.model, BatchIds()
+        inner.embed_tokens.register_forward_pre_hook(_hold_ids(batch))
+        groups = {}
+        if placement is None and config.stem_table_groups:
+            inner.stem_table_groups = nn.ModuleList(
+                [TableGroup(config.vocab_size, config.intermediate_size, len(g)) for g in config.stem_table_groups])
+            groups = {layer: (inner.stem_table_groups[k], i)
+                      for k, group in enumerate(config.stem_table_groups) for i, layer in enumerate(group)}
+        for index in config.stem_layers:
+            if placement is not None:
+                rows = PlacedRows(placement, index, vllm_config.model_config.dtype)
+            else:
+                rows = MemoryRows(config.vocab_size, config.intermediate_size, *groups.get(index, ()))
+            layer = inner.layers[index]
+            layer.mlp = StemMLP(config, rows, batch, vllm_config.quant_config, f"{prefix}model.layers.{index}.mlp")
+            layer.register_forward_pre_hook(_hold_positions(batch), with_kwargs=True)
+        self.stem_placement = placement
+        self._stem_prefixes = tuple(f"model.layers.{i}.mlp." for i in config.stem_layers) + ("model.stem_table_groups.",)
+
+    def load_weights(self, weights):
+        # Difference from the dense family: the STEM MLPs' tensors (gate, down, the first token's up, the tables)
+        # load into their own parameters; tables read from the files are not loaded at all.
+        params = dict(self.named_parameters())
+        loaded = set()
+
+        def dense(weights):
+            for name, tensor in weights:
+                if not name.startswith(self._stem_prefixes):
+                    yield name, tensor
+                elif name in params:
+                    param = params[name]
+                    getattr(param, "weight_loader", _copy)(param, tensor)
+                    loaded.add(name)
+                elif not (self.stem_placement is not None and is_table_tensor(name)):
+                    raise ValueError(f"the checkpoint holds {name}, which this STEM model has no place for: is its "
+                                     f"config.json the one written with these weights?")
+
+        return loaded | set(super().load_weights(dense(weights)))
+
+
+def _copy(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    param.data.copy_(tensor)
+
+
+class StemForCausalLM(nn.Module):
+    """What vLLM's registry knows as `StemForCausalLM`: building it builds the STEM subclass of the vLLM class of
+    the config's dense family (created once per family), or vLLM's Transformers backend for a family vLLM has no
+    class of its own for. Not a pipeline-parallel model (it declares no SupportsPP): stages after the first would
+    not see the token ids."""
+
+    _family_classes: dict = {}
+
+    def __new__(cls, *, vllm_config, prefix: str = ""):
+        dense_type = vllm_config.model_config.hf_config.dense_model_type
+        dense = ModelRegistry._try_load_model_cls(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[dense_type])
+        if dense is None or "transformers" in dense.__module__.split("."):  # vLLM serves the family through it
+            from vllm.model_executor.models.transformers import TransformersForCausalLM
+
+            logger.info("STEM model of dense type %r: served by vLLM's Transformers backend (vLLM has no model "
+                        "class of its own for the family)", dense_type)
+            return TransformersForCausalLM(vllm_config=vllm_config, prefix=prefix)
+        if dense not in cls._family_classes:
+            cls._family_classes[dense] = type("Stem" + dense.__name__, (_StemLayers, dense), {"__module__": __name__})
+        model = cls._family_classes[dense](vllm_config=vllm_config, prefix=prefix)
+        logger.info("STEM model served natively: %s, tables %s", type(model).__name__,
+                    "in memory" if model.stem_placement is None else f"placed: {model.stem_placement.name}")
+        return model
+
+    # What vLLM's registry inspects the registered class for (a generative model's methods and their keywords);
+    # never run: `__new__` returns an instance of another class, which has them.
+    def __init__(self, *, vllm_config, prefix: str = ""): ...
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds=None) -> torch.Tensor: ...
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
