@@ -13,8 +13,8 @@ KV cache, norms, logits and weight names of the dense parts are vLLM's own. A fa
 Transformers backend is served that way.
 
 Inside vLLM's torch.compile graph: forward pre-hooks of the embedding and of each STEM decoder layer hand the
-token ids and positions to the STEM MLPs (traced, so they are tensors of the graph); tables in memory are
-gathered in the graph; tables read from the files (mmap, or compressed and held as stored) are read by the
+token ids and positions to the STEM MLPs (traced, so they are tensors of the graph); tables in memory (vLLM's, or
+pinned host memory read in place: `host`) are gathered in the graph; tables read from the files (mmap, or compressed and held as stored) are read by the
 `placed_rows` op of `modeling/stem_tables.py`; each sequence's first token (position 0) keeps the dense
 up-projection through the op below, which computes it for those tokens alone.
 """
@@ -28,10 +28,14 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelL
 from vllm.model_executor.models import ModelRegistry
 from vllm.logger import init_logger
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.platforms import current_platform
+from vllm.utils.platform_utils import is_uva_available
+from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from .modeling.modeling_stem import placement_of_config
 from .modeling.stem_tables import HANDLES, custom_op, handle, placed_rows
 from .modeling.table_files import StemTablesError, is_table_tensor
+from .modeling.table_format import TableFormat
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which vLLM configures and prints
 
@@ -65,43 +69,56 @@ def _columns(width: int) -> slice:
     return slice(rank * size, (rank + 1) * size)
 
 
-class MemoryRows(nn.Module):
-    """A table in vLLM's memory: a parameter [vocab, d_ff / tp] named as stored (`mlp.up_table.weight`), or the
-    layer's columns of its group's parameter (`TableGroup`). Gathered inside the graph."""
+class TableColumns(nn.Module):
+    """A table in memory, or the tables of a group of layers side by side: [vocab, layers x d_ff / tp], each
+    layer's share of its own columns (stored [vocab, layers x d_ff]: `mlp.up_table.weight`, or
+    `model.stem_table_groups.K.weight`). Gathered inside the graph.
 
-    def __init__(self, vocab: int, d_ff: int, group: "TableGroup | None" = None, index: int = 0):
+    In vLLM's memory (RAM or VRAM) by default, a parameter its loader fills by name. With `host` (stem_tables
+    "host"), in host memory, pinned where an accelerator can read it in place (UVA, as vLLM's Engram reads its
+    tables): the graph gathers a batch's rows from there over the bus, with no copy staged around the forward, so
+    that CUDA graphs replay it; the tables cost no device memory. On a CPU the host tensor is the table itself."""
+
+    def __init__(self, vocab: int, d_ff: int, layers: int = 1, host: bool = False):
         super().__init__()
-        if group is None:
-            self.weight = nn.Parameter(torch.empty(vocab, d_ff // get_tensor_model_parallel_world_size()),
-                                       requires_grad=False)
-            set_weight_attrs(self.weight, {"weight_loader": self._load})
-        self.__dict__["group"] = group  # not a submodule: the group's parameter is the model's, named as stored
-        self.index = index  # this layer's place in its group
+        self.layers, self.host = layers, host
+        width = layers * d_ff // get_tensor_model_parallel_world_size()
+        if host:
+            on_cpu = current_platform.is_cpu()
+            if not on_cpu and not is_uva_available():
+                raise StemTablesError("stem_tables='host' has the accelerator read the tables in place from pinned "
+                                      "host memory (UVA), which this platform does not offer: serve with "
+                                      "stem_tables 'memory' or 'mmap'")
+            self.host_rows = torch.empty(vocab, width, device="cpu", pin_memory=not on_cpu)
+            self.__dict__["weight"] = self.host_rows if on_cpu else get_accelerator_view_from_cpu_tensor(self.host_rows)
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab, width), requires_grad=False)
+            set_weight_attrs(self.weight, {"weight_loader": self.load})
 
-    def _load(self, param: nn.Parameter, stored: torch.Tensor) -> None:
-        param.data.copy_(stored[:, _columns(stored.shape[1])])
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, d_ff / tp]
-        if self.group is None:
-            return nn.functional.embedding(ids, self.weight)
-        width = self.group.weight.shape[1] // self.group.layers
-        return nn.functional.embedding(ids, self.group.weight[:, self.index * width : (self.index + 1) * width])
-
-
-class TableGroup(nn.Module):
-    """The tables of a group of layers in memory: [vocab, layers x d_ff / tp], each layer's share of its own
-    columns side by side (`model.stem_table_groups.K.weight`, stored [vocab, layers x d_ff])."""
-
-    def __init__(self, vocab: int, d_ff: int, layers: int):
-        super().__init__()
-        self.layers = layers
-        self.weight = nn.Parameter(torch.empty(vocab, layers * d_ff // get_tensor_model_parallel_world_size()),
-                                   requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": self._load})
-
-    def _load(self, param: nn.Parameter, stored: torch.Tensor) -> None:
+    def load(self, param: nn.Parameter | None, stored: torch.Tensor) -> None:
+        """This rank's columns of each layer's table in `stored`."""
+        target = self.host_rows if self.host else param.data
         per_layer = stored.view(stored.shape[0], self.layers, -1)  # [vocab, layers, d_ff]
-        param.data.copy_(per_layer[:, :, _columns(per_layer.shape[2])].reshape(param.shape))
+        target.copy_(per_layer[:, :, _columns(per_layer.shape[2])].reshape(target.shape))
+
+    def rows(self, ids: torch.Tensor, index: int) -> torch.Tensor:  # [n] -> [n, d_ff / tp]
+        width = self.weight.shape[1] // self.layers
+        return nn.functional.embedding(ids, self.weight[:, index * width : (index + 1) * width])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # a table of its own
+        return self.rows(ids, 0)
+
+
+class GroupColumns(nn.Module):
+    """A layer's table when it is stored in a group: its columns of the group's `TableColumns`."""
+
+    def __init__(self, group: TableColumns, index: int):
+        super().__init__()
+        self.__dict__["group"] = group  # not a submodule: the group belongs to the model, named as stored
+        self.index = index
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.group.rows(ids, self.index)
 
 
 class PlacedRows(nn.Module):
@@ -169,23 +186,24 @@ class _StemLayers:
         if vllm_config.model_config.enable_prompt_embeds:
             raise ValueError("STEM layers look up table rows by token id, which prompt embeddings do not give: "
                              "serve a STEM model without enable_prompt_embeds")
-        placement = placement_of_config(config)
-        if placement is not None and not placement.compiles:
-            raise StemTablesError(f"stem_tables={placement.name!r} stages rows around each forward, which vLLM's "
-                                  f"model runner does not do: serve with stem_tables 'memory' or 'mmap'")
+        host = config.stem_tables == "host"
+        if host and TableFormat.from_config(config) is not None:
+            raise StemTablesError("stem_tables='host' holds float tables in host memory; compressed tables are read "
+                                  "from the files (stem_tables='mmap') or held as stored ('memory')")
+        placement = None if host else placement_of_config(config)  # host: read by the loader into host memory
         inner, batch = self.model, BatchIds()
         inner.embed_tokens.register_forward_pre_hook(_hold_ids(batch))
         groups = {}
         if placement is None and config.stem_table_groups:
-            inner.stem_table_groups = nn.ModuleList(
-                [TableGroup(config.vocab_size, config.intermediate_size, len(g)) for g in config.stem_table_groups])
-            groups = {layer: (inner.stem_table_groups[k], i)
+            inner.stem_table_groups = nn.ModuleList([TableColumns(config.vocab_size, config.intermediate_size,
+                                                                  len(g), host) for g in config.stem_table_groups])
+            groups = {layer: GroupColumns(inner.stem_table_groups[k], i)
                       for k, group in enumerate(config.stem_table_groups) for i, layer in enumerate(group)}
         for index in config.stem_layers:
             if placement is not None:
                 rows = PlacedRows(placement, index, vllm_config.model_config.dtype)
             else:
-                rows = MemoryRows(config.vocab_size, config.intermediate_size, *groups.get(index, ()))
+                rows = groups.get(index) or TableColumns(config.vocab_size, config.intermediate_size, host=host)
             layer = inner.layers[index]
             layer.mlp = StemMLP(config, rows, batch, vllm_config.quant_config, f"{prefix}model.layers.{index}.mlp")
             layer.register_forward_pre_hook(_hold_positions(batch), with_kwargs=True)
@@ -194,8 +212,10 @@ class _StemLayers:
 
     def load_weights(self, weights):
         # Difference from the dense family: the STEM MLPs' tensors (gate, down, the first token's up, the tables)
-        # load into their own parameters; tables read from the files are not loaded at all.
+        # load into their own parameters (host tables: into host memory); tables read from the files are not loaded.
         params = dict(self.named_parameters())
+        host = {f"{name}.weight": table for name, table in self.named_modules()
+                if isinstance(table, TableColumns) and table.host}
         loaded = set()
 
         def dense(weights):
@@ -206,6 +226,8 @@ class _StemLayers:
                     param = params[name]
                     getattr(param, "weight_loader", _copy)(param, tensor)
                     loaded.add(name)
+                elif name in host:
+                    host[name].load(None, tensor)
                 elif not (self.stem_placement is not None and is_table_tensor(name)):
                     raise ValueError(f"the checkpoint holds {name}, which this STEM model has no place for: is its "
                                      f"config.json the one written with these weights?")
@@ -226,7 +248,8 @@ class StemForCausalLM(nn.Module):
     _family_classes: dict = {}
 
     def __new__(cls, *, vllm_config, prefix: str = ""):
-        dense_type = vllm_config.model_config.hf_config.dense_model_type
+        config = vllm_config.model_config.hf_config
+        dense_type = config.dense_model_type
         dense = ModelRegistry._try_load_model_cls(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[dense_type])
         if dense is None or "transformers" in dense.__module__.split("."):  # vLLM serves the family through it
             from vllm.model_executor.models.transformers import TransformersForCausalLM
@@ -238,7 +261,7 @@ class StemForCausalLM(nn.Module):
             cls._family_classes[dense] = type("Stem" + dense.__name__, (_StemLayers, dense), {"__module__": __name__})
         model = cls._family_classes[dense](vllm_config=vllm_config, prefix=prefix)
         logger.info("STEM model served natively: %s, tables %s", type(model).__name__,
-                    "in memory" if model.stem_placement is None else f"placed: {model.stem_placement.name}")
+                    model.stem_placement.name if model.stem_placement else config.stem_tables or "memory")
         return model
 
     # What vLLM's registry inspects the registered class for (a generative model's methods and their keywords);

@@ -78,15 +78,17 @@ def vllm_greedy(path, tables: str | None, env: dict | None = None, compile: bool
     return {r["prompt"]: (r["token_ids"], r["logprobs"]) if logprobs else r["token_ids"] for r in records}
 
 
-@pytest.mark.parametrize("impl", ["auto", "transformers"])
-@pytest.mark.parametrize("tables", ["memory", "mmap"])
+@pytest.mark.parametrize("tables, impl", [("memory", "auto"), ("mmap", "auto"), ("host", "auto"),
+                                          ("memory", "transformers"), ("mmap", "transformers")])
 def test_offline_batched_greedy_text_equals_transformers(converted, tables, impl):
-    """vLLM's own Llama with STEM MLPs (the plugin, "auto") and the Transformers backend with the exported code."""
+    """vLLM's own Llama with STEM MLPs (the plugin, "auto"; `host`: the tables in host memory, not parameters,
+    gathered in place) and the Transformers backend with the exported code."""
     path, expected, _ = converted
     assert vllm_greedy(path, tables, impl=impl, served=NATIVE if impl == "auto" else None) == expected
 
 
-@pytest.mark.parametrize("tables, impl", [("memory", "auto"), ("mmap", "auto"), ("mmap", "transformers")])
+@pytest.mark.parametrize("tables, impl", [("memory", "auto"), ("mmap", "auto"), ("host", "auto"),
+                                          ("mmap", "transformers")])
 def test_compiled_serving_gives_the_greedy_text_of_transformers(converted, tables, impl):
     """Without enforce_eager: vLLM traces the model whole with torch.compile (its STEM layers gather their rows
     inside the graph, or read them by an op: mmap) and serves the text Transformers' eager generate() gives."""
@@ -120,7 +122,7 @@ def test_every_family_is_served_with_the_greedy_text_of_transformers(family, ser
     assert vllm_greedy(path, None, served=served, max_model_len=64, prompts=prompts) == expected
 
 
-@pytest.mark.parametrize("tables", [None, "mmap"])
+@pytest.mark.parametrize("tables", [None, "mmap", "host"])
 def test_two_tensor_parallel_processes_split_the_tables_and_give_the_logprobs_of_transformers(tables, tmp_path):
     """Tensor parallelism (2 CPU processes, one core each): each rank holds its columns of the gate, of the rows
     (grouped tables in memory, split per layer; mmap: read whole, then cut) and of the first token's up_proj, and
