@@ -2,6 +2,7 @@
 
     python benchmarks/compiled_decode.py            # SmolLM2-135M, a third of its layers converted
     python benchmarks/compiled_decode.py --runs 5   # more runs of each (the last is reported)
+    python benchmarks/compiled_decode.py --model llama-1b   # Llama-3.2-1B's shape, every layer converted
 
 Transformers' generate(): batch 1, a 32-token prompt of real text, 64 greedy new tokens, fp32; STEM with its
 tables in memory (a compiled graph gathers their rows itself) and left in the files (mmap: an op of the graph
@@ -11,7 +12,10 @@ graphs on a GPU, untested with STEM: this benchmark is the CPU's).
 Each model and mode is loaded fresh, STEM with this checkout's code (not the copy in the converted folder);
 the third run of each is reported (the first compiles). The models are benchmarks/inference.py's (made once
 under --work): the parent and its conversion with a third of the layers (closed-form tables: values do not
-change speed).
+change speed). `--model llama-1b`: a random model of Llama-3.2-1B's shape (bf16 checkpoint) and its conversion
+with every layer, tables stored int8 (all 16 in bf16 are 33.6 GB, more than this machine's RAM and free disk; int8
+are 16.8 GB) and left in the files (mmap): the dense parts (0.97 of the parent's 1.24 billion parameters) are
+what a decode step reads; both run in fp32.
 """
 
 import argparse
@@ -58,21 +62,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-inference")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", choices=["smollm2", "llama-1b"], default="smollm2")
     args = parser.parse_args()
     print(machine())
-    paths = prepare(args.work, "smollm2", {"stem-third": "1/3"})
+    prepare(args.work, "smollm2", {})  # its tokenizer gives the prompt
     ids = prompt_ids(args.work)[:PROMPT_TOKENS]
-    models = {"parent": (paths["dense"], None), "STEM memory": (paths["stem-third"], "memory"),
-              "STEM mmap": (paths["stem-third"], "mmap")}
+    if args.model == "smollm2":
+        paths = prepare(args.work, "smollm2", {"stem-third": "1/3"})
+        title = "SmolLM2-135M, a third of the layers STEM"
+        models = {"parent": (paths["dense"], None), "STEM memory": (paths["stem-third"], "memory"),
+                  "STEM mmap": (paths["stem-third"], "mmap")}
+    else:
+        paths = prepare(args.work, "llama-1b", {"stem-all-int8": {"layers": "all", "table_dtype": "int8"}})
+        title = "Llama-3.2-1B shape, every layer STEM (int8 tables)"
+        models = {"parent": (paths["dense"], None), "STEM mmap": (paths["stem-all-int8"], "mmap")}
     speed = {(name, mode): tokens_per_s(path, placement, mode == "compiled", ids, args.runs)
              for mode in ("eager", "compiled") for name, (path, placement) in models.items()}
-    print(f"SmolLM2-135M, a third of the layers STEM, batch 1, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new "
-          f"tokens, fp32, run {args.runs} of each; tokens/s and STEM / parent")
-    print("| | parent | STEM memory | STEM mmap |")
-    print("|---|---|---|---|")
+    stem = [name for name in models if name != "parent"]
+    print(f"{title}, batch 1, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, fp32, run {args.runs} of each; "
+          f"tokens/s and STEM / parent")
+    print("| | parent | " + " | ".join(stem) + " |")
+    print("|---" * (len(stem) + 2) + "|")
     for mode in ("eager", "compiled"):
         parent = speed["parent", mode]
-        cells = [f"{speed[name, mode]:.1f} ({speed[name, mode] / parent:.2f}x)" for name in ("STEM memory", "STEM mmap")]
+        cells = [f"{speed[name, mode]:.1f} ({speed[name, mode] / parent:.2f}x)" for name in stem]
         print(f"| {mode} | {parent:.1f} | " + " | ".join(cells) + " |")
     print("compiled / eager: " + ", ".join(f"{name} {speed[name, 'compiled'] / speed[name, 'eager']:.2f}x"
                                            for name in models))

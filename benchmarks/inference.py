@@ -53,9 +53,9 @@ def machine() -> str:
 # --- the models -------------------------------------------------------------------------------------
 
 
-def prepare(work: Path, model: str, variants: dict[str, str] | None = None) -> dict[str, Path]:
-    """{variant: checkpoint directory}, made once: dense, and each of `variants` ({name: --layers}; by
-    default stem-third and stem-all)."""
+def prepare(work: Path, model: str, variants: dict[str, str | dict] | None = None) -> dict[str, Path]:
+    """{variant: checkpoint directory}, made once: dense, and each of `variants` ({name: --layers, or the
+    keywords of plan_conversion}; by default stem-third and stem-all)."""
     from stem_upcycle.convert import plan_conversion, run_conversion
     from stem_upcycle.source import open_source
 
@@ -64,11 +64,12 @@ def prepare(work: Path, model: str, variants: dict[str, str] | None = None) -> d
     if not (dense / "config.json").exists():
         make_dense(model, dense)
     paths = {"dense": dense}
-    for name, layers in (variants or {"stem-third": "1/3", "stem-all": "all"}).items():
+    for name, spec in ({"stem-third": "1/3", "stem-all": "all"} if variants is None else variants).items():
         out = folder / name
+        options = spec if isinstance(spec, dict) else {"layers": spec}
         if not (out / "config.json").exists():
-            print(f"converting {model} ({layers} of the layers) into {out}", file=sys.stderr, flush=True)
-            run_conversion(plan_conversion(open_source(str(dense)), layers=layers), out, overwrite=True)
+            print(f"converting {model} ({options}) into {out}", file=sys.stderr, flush=True)
+            run_conversion(plan_conversion(open_source(str(dense)), **options), out, overwrite=True)
         paths[name] = out
     return paths
 

@@ -14,19 +14,21 @@ Transformers backend is served that way.
 
 Inside vLLM's torch.compile graph: forward pre-hooks of the embedding and of each STEM decoder layer hand the
 token ids and positions to the STEM MLPs (traced, so they are tensors of the graph); tables in memory (vLLM's, or
-pinned host memory read in place: `host`) are gathered in the graph; tables read from the files (mmap, or compressed and held as stored) are read by the
-`placed_rows` op of `modeling/stem_tables.py`; each sequence's first token (position 0) keeps the dense
-up-projection through the op below, which computes it for those tokens alone.
+pinned host memory read in place: `host`) are gathered in the graph; tables read from the files (mmap, or
+compressed and held as stored) are read by the `placed_rows` op of `modeling/stem_tables.py`; each sequence's
+first token (position 0) keeps the dense up-projection through the op below, which computes it for those tokens
+alone.
 """
 
 import torch
 from torch import nn
 from transformers.models.auto import modeling_auto
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.models import ModelRegistry
-from vllm.logger import init_logger
+from vllm.model_executor.models.utils import maybe_prefix
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.platforms import current_platform
 from vllm.utils.platform_utils import is_uva_available
@@ -38,6 +40,7 @@ from .modeling.table_files import StemTablesError, is_table_tensor
 from .modeling.table_format import TableFormat
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, which vLLM configures and prints
+
 
 class BatchIds:
     """The token ids and positions [n] of the running batch, set by hooks as the model's forward runs (a plain
@@ -205,7 +208,8 @@ class _StemLayers:
             else:
                 rows = groups.get(index) or TableColumns(config.vocab_size, config.intermediate_size, host=host)
             layer = inner.layers[index]
-            layer.mlp = StemMLP(config, rows, batch, vllm_config.quant_config, f"{prefix}model.layers.{index}.mlp")
+            layer.mlp = StemMLP(config, rows, batch, vllm_config.quant_config,
+                                maybe_prefix(prefix, f"model.layers.{index}.mlp"))
             layer.register_forward_pre_hook(_hold_positions(batch), with_kwargs=True)
         self.stem_placement = placement
         self._stem_prefixes = tuple(f"model.layers.{i}.mlp." for i in config.stem_layers) + ("model.stem_table_groups.",)
