@@ -33,10 +33,10 @@ def load(placement):
 # logits [2, 9, vocab] of a prompt's first 5 tokens, then one token per forward with a KV cache and no position
 # ids (the first-token rule then reads the mask over the cached tokens)
 def decode_by_hand(model):
-    out = model(input_ids=ids[:, :5], attention_mask=mask[:, :5], cache=DynamicCache(config=model.config))
+    out = model(input_ids=ids[:, :5], attention_mask=mask[:, :5], past_key_values=DynamicCache(config=model.config))
     logits = [out.logits]
     for t in range(5, 9):
-        out = model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=out.past_key_values)
+        out = model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=out.past_key_values)
         logits.append(out.logits)
     return torch.cat(logits, 1)
 

@@ -133,7 +133,7 @@ def test_tokenizer_chat_template_generation_config_and_card_are_carried(dense_di
     assert generation["eos_token_id"] == COMMON.get("eos_token_id", 2)
     card = (tmp_path / "out" / "README.md").read_text()
     assert "license: mit" in card and "[0, 1, 2]" in card and "closed-form" in card
-    assert "stem-upcycle convert" in card and "Not ready for use" in card
+    assert "stem-upcycle convert" in card and "Converted, not trained." in card
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(dense_dir, tmp_path):

@@ -64,7 +64,8 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     scored = evaluate(loaded, heldout.flatten(), window=heldout.shape[1])
     assert scored["tokens"] == log[-1]["eval"]["heldout"]["tokens"]
     assert scored["ppl"] == pytest.approx(log[-1]["eval"]["heldout"]["ppl"], rel=1e-4)
-    assert "Recovery training" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "Recovery training" in card and "> At conversion, before training: A converted" in card  # not "not trained"
     assert (workspace / "stem" / "config.json").exists()  # a given init_from is never removed
 
 

@@ -19,6 +19,7 @@ from ..convert import resolve_dtype, side_by_side, table_group_name, tensor_orde
 from ..modeling.table_files import checkpoint_files, read_header
 from ..families import STEM_TABLE, layer_name
 from ..atomic import staging_dir
+from ..card import UNTRAINED_HEADING
 from ..shards import INDEX_NAME, ShardWriter, TensorSpec, plan_shards
 from ..source import open_source
 
@@ -121,5 +122,5 @@ def _add_training_card(card: Path, log: Path, recipe, tokens_seen: int) -> None:
         lines += [f"| {name} | {e['tokens']} | {e['ref_ppl']:.2f} | {first[name]['ppl']:.2f} | {e['ppl']:.2f} | "
                   f"{e['ppl_ratio']:.2f}x |\n" for name, e in last.items()]
     text = card.read_text() if card.exists() else ""
-    text = text.replace("> **Not ready for use as it is.**", "> At conversion, before training:")
+    text = text.replace(UNTRAINED_HEADING, "> At conversion, before training:")
     card.write_text(text + "".join(lines))
