@@ -23,9 +23,10 @@ tar -xzf "$tmp"/sentencepiece-0.2.0.tar.gz -C "$tmp" sentencepiece-0.2.0/test/bo
 tar -xzf "$tmp"/Brotli-1.1.0.tar.gz -C "$tmp" Brotli-1.1.0/tests/testdata/lcet10.txt
 tar -xzf "$tmp"/flask-3.1.3.tar.gz -C "$tmp" flask-3.1.3/docs
 mkdir -p data/ood
-# Gutenberg texts: CRLF -> LF, BOM off, keep only the body between the START/END markers
+# Gutenberg texts: CRLF -> LF, BOM off, keep only the body between the START/END markers (awk reads to the end:
+# a reader that exits early kills the writers before it with SIGPIPE, which pipefail makes this script's failure)
 tr -d '\r' < "$tmp"/sentencepiece-0.2.0/test/botchan.txt | sed '1s/^\xEF\xBB\xBF//' \
-  | awk 'on; /^--\(THE END\)--/{exit} /^\*\*\* START OF/{on=1}' | grep -v '^Produced by ' > data/ood/botchan.txt
+  | awk 'on && !done; /^--\(THE END\)--/{done=1} /^\*\*\* START OF/{on=1}' | grep -v '^Produced by ' > data/ood/botchan.txt
 tr -d '\r' < "$tmp"/Brotli-1.1.0/tests/testdata/lcet10.txt | grep -vi 'project gutenberg etext' \
   | sed 's/^[[:space:]]*//; s/[[:space:]]*$//' | cat -s > data/ood/lcet10.txt
 # Flask docs: every .rst but the changelog and the licence page, in byte order, as prose
@@ -36,7 +37,7 @@ tr -d '\r' < "$tmp"/Brotli-1.1.0/tests/testdata/lcet10.txt | grep -vi 'project g
 # (LGPL-2.1). Added last, as a genre no experiment of the recipes' development had seen. pip cannot
 # download that sdist (it builds its metadata first, which fails here), so it is read from the same
 # registry by its address in the simple index and checked against the digest the index gives.
-url=$(curl -fsSL https://pypi.org/simple/gensim/ | grep -o 'https://[^"#]*/gensim-4\.3\.3\.tar\.gz#sha256=[0-9a-f]*' | head -1)
+url=$(curl -fsSL https://pypi.org/simple/gensim/ | grep -o 'https://[^"#]*/gensim-4\.3\.3\.tar\.gz#sha256=[0-9a-f]*' | sed -n 1p)
 curl -fsSL "${url%%#*}" -o "$tmp"/gensim-4.3.3.tar.gz
 echo "${url##*sha256=}  $tmp/gensim-4.3.3.tar.gz" | sha256sum --check --quiet
 tar -xzf "$tmp"/gensim-4.3.3.tar.gz -C "$tmp" gensim-4.3.3/gensim/test/test_data/lee_background.cor
