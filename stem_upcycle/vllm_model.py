@@ -27,6 +27,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models import ModelRegistry
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.model_executor.utils import set_weight_attrs
@@ -228,7 +229,7 @@ class _StemLayers:
                     yield name, tensor
                 elif name in params:
                     param = params[name]
-                    getattr(param, "weight_loader", _copy)(param, tensor)
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                     loaded.add(name)
                 elif name in host:
                     host[name].load(None, tensor)
@@ -237,10 +238,6 @@ class _StemLayers:
                                      f"config.json the one written with these weights?")
 
         return loaded | set(super().load_weights(dense(weights)))
-
-
-def _copy(param: nn.Parameter, tensor: torch.Tensor) -> None:
-    param.data.copy_(tensor)
 
 
 class StemForCausalLM(nn.Module):

@@ -79,6 +79,7 @@ def layer_groups_option(default_help: str):
 
 MAX_SHARD_SIZE = click.option("--max-shard-size", default="5GB", show_default=True,
                               help="Largest safetensors shard, e.g. 2GB or 500MB.")
+QUIET = click.option("--quiet", is_flag=True, help="No progress bar.")
 OVERWRITE = click.option("--overwrite", is_flag=True,
                          help="Replace OUT if it is not empty (only once the new model is complete).")
 
@@ -133,7 +134,7 @@ def main():
 @MAX_SHARD_SIZE
 @OVERWRITE
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@QUIET
 @_fail_cleanly
 def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, sequential,
             refit_down, local_epochs, device, dtype, table_dtype, table_block, layer_groups, max_shard_size, overwrite,
@@ -220,7 +221,7 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
 @MAX_SHARD_SIZE
 @OVERWRITE
 @click.option("--dry-run", is_flag=True, help="Print the table bytes before and after and write nothing.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@QUIET
 @_fail_cleanly
 def compress(model, out, table_dtype, table_block, layer_groups, max_shard_size, overwrite, dry_run, quiet):
     """Store the tables of the STEM model MODEL in another format, into a new folder OUT.
@@ -425,7 +426,7 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto",
               show_default=True, help="Compute dtype of both models; auto: bfloat16 on GPUs that support it, else float32.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@QUIET
 @_fail_cleanly
 def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, device, dtype, as_json, quiet):
     """Perplexity of MODEL on held-out sets; with --reference, ratio, KL and top-1 agreement; with --facts, recall."""
