@@ -41,8 +41,19 @@ def decode_by_hand(model):
     return torch.cat(logits, 1)
 
 
-for placement in placements:
+# each placement that reads rows by an op, twice: a forward of few lookups (all of this test's) reads every
+# layer's rows in one op at its start (ROWS_AT_ONCE), one of more in an op per layer
+runs = [(placement, reads) for placement in placements for reads in ("at once", "per layer")]
+for placement, reads in runs:
     model = load(placement)
+    if model.stem_placement is None and reads == "per layer":
+        continue  # float tables in memory are gathered inside the graph: no op either way
+    code = sys.modules[type(model).__module__]
+    default, code.ROWS_AT_ONCE = code.ROWS_AT_ONCE, code.ROWS_AT_ONCE if reads == "at once" else 0
+    calls = []
+    if model.stem_placement is not None:  # count the one-op reads, from the op's side
+        read_all = model.stem_placement.rows_of_layers
+        model.stem_placement.rows_of_layers = lambda *args: calls.append(1) or read_all(*args)
     with torch.no_grad():
         eager = model(input_ids=ids, attention_mask=mask).logits
         tokens = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
@@ -57,7 +68,9 @@ for placement in placements:
         again = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                cache_implementation="static")
         assert torch.equal(again, tokens), (placement, again, tokens)
-    print(placement, model.stem_tables, "ok")
+    code.ROWS_AT_ONCE = default
+    print(placement, model.stem_tables, "ok", reads if model.stem_placement is not None else "in the graph",
+          "with" if calls else "without", "rows_of_layers")
 
 # the first-token rule reaches the compiled graph: with the first token's row instead of W_up the logits move
 model = load("memory")
@@ -99,7 +112,9 @@ def test_a_compiled_model_gives_the_logits_and_tokens_of_the_eager_one(tmp_path,
     of the graph too, which runs it only on forwards that hold one."""
     out = run_without_stem_upcycle(COMPILED, _converted(tmp_path, layer_groups), "memory,mmap")
     groups = "[[0, 2]]" if layer_groups == 2 else "None"
-    assert out.splitlines() == ["memory memory ok", "mmap mmap ok", groups]
+    assert out.splitlines() == ["memory memory ok in the graph without rows_of_layers",
+                                "mmap mmap ok at once with rows_of_layers",
+                                "mmap mmap ok per layer without rows_of_layers", groups]
 
 
 def test_compressed_tables_compile_and_host_is_refused(tmp_path, host_on_cpu):
@@ -163,3 +178,21 @@ def test_the_numbers_a_graph_names_its_objects_by_are_the_same_in_every_process(
     assert runs[0] == runs[1]
     first, second = runs[0].strip().split("] [")
     assert first != second and len(set(first.split(", "))) == 3, runs[0]
+
+
+def test_first_tokens_up_projections_kept_per_id_follow_the_weights(tmp_path):
+    """A small compiled forward gives each sequence's first token the dense up-projections of a one-token forward of
+    its id, kept per id (they depend on the id alone); weights changed since, in a STEM layer's up-projection or in an
+    earlier layer's attention, are seen: the compiled logits stay the eager ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_converted(tmp_path, 1), stem_tables="memory").eval()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        assert sorted(token for token, _ in model.model.stem_first_token_ups) == sorted(ids[:, 0].tolist())
+        model.model.layers[2].mlp.up_proj.weight.mul_(1.5)
+        model.model.layers[1].self_attn.v_proj.weight.mul_(0.5)
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

@@ -33,6 +33,7 @@ class ForwardIds:
         self._on = {self.lookup.device: self.lookup}
         self._unique = None
         self.plan = None  # what a placement prepared for this forward (host: slots or staged rows)
+        self.first_ups = None  # a small compiled forward's: layer -> [batch, seq, d_ff] (`first_token_ups`)
 
     def on(self, device: torch.device) -> torch.Tensor:
         """The lookup ids on `device` (a split model's layers sit on several devices)."""

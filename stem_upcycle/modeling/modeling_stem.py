@@ -28,7 +28,8 @@ import transformers
 
 from .configuration_stem import StemConfig
 from .forward_ids import ForwardIds, IdHandoff, RowEdit, cached_length, check_ids, first_token_mask, first_tokens
-from .stem_tables import HANDLES, MappedLinear, PlacedTable, custom_op, handle, open_tables
+from .stem_tables import (HANDLES, ROWS_AT_ONCE, MappedLinear, PlacedTable, custom_op, handle, open_tables,
+                          rows_of_layers)
 from .table_files import TABLE_TENSOR, StemTablesError
 from .table_format import FLOAT_DTYPES, TableFormat
 
@@ -125,6 +126,48 @@ dense_first_tokens = custom_op("dense_first_tokens", _dense_first_tokens,
                                lambda x, rows, first, mlp: torch.empty_like(rows))
 
 
+def _first_token_ups(ids: torch.Tensor, first: torch.Tensor, model: int, layers: int, d_ff: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """[layers, *ids.shape, d_ff]: at the `first` [batch, seq] tokens, the dense up-projection of every STEM layer
+    (`ups_of_first_token`) of the base model with handle `model`; zeros elsewhere. A small compiled forward's
+    (`ROWS_AT_ONCE`), in place of an op per layer (`dense_first_tokens`): each costs a decode step the op's call
+    and the fusion it breaks, 5% of a token at Llama-3.2-1B's shape (benchmarks/README.md, compiled_decode.py)."""
+    ups = ids.new_zeros((layers, *ids.shape, d_ff), dtype=dtype)
+    for batch, position in first.nonzero().tolist():
+        ups[:, batch, position] = ups_of_first_token(HANDLES[model], int(ids[batch, position]), dtype)
+    return ups
+
+
+first_token_ups = custom_op("first_token_ups", _first_token_ups, lambda ids, first, model, layers, d_ff, dtype:
+                            ids.new_empty((layers, *ids.shape, d_ff), dtype=dtype))
+
+
+def ups_of_first_token(base: nn.Module, token: int, dtype: torch.dtype) -> torch.Tensor:
+    """[STEM layers, d_ff]: what each STEM layer's dense up-projection gives `token` as its sequence's first token.
+    That token attends to itself alone, so its attention output is its own value vector wherever it stands, and
+    every STEM layer gives it the dense up-projection: it depends on its id alone. So it is computed once per id, by
+    a one-token forward, and kept with the parameters' versions, so that weights changed since (training, a load)
+    have it computed again."""
+    versions = tuple(0 if p.is_inference() else p._version for p in base.parameters())
+    kept = base.stem_first_token_ups.get((token, dtype))
+    if kept is None or kept[0] != versions:
+        ups = {}  # layer -> [1, d_ff]; a layer whose dense up-projection was taken away keeps zeros (never read)
+        layers = base.config.stem_layers
+        hooks = [up.register_forward_hook(lambda module, args, out, index=index: ups.__setitem__(index, out))
+                 for index in layers if (up := base.layers[index].mlp.up_proj) is not None]
+        device = base.get_input_embeddings().weight.device
+        try:
+            with torch.no_grad():
+                base(input_ids=torch.tensor([[token]], device=device), use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        zeros = torch.zeros(base.config.intermediate_size, dtype=dtype, device=device)
+        kept = base.stem_first_token_ups[token, dtype] = (
+            versions, torch.stack([ups[i][0].to(zeros) if i in ups else zeros for i in layers]))
+    return kept[1]
+
+
 class StemMLP(nn.Module):
     """Gated MLP whose up-projection is a lookup: down(act(gate(x)) * up_table[ids]).
 
@@ -170,6 +213,9 @@ class StemMLP(nn.Module):
         rows = forward.edited(self.up_table(forward, x.device, x.dtype), self.layer)  # [batch, seq, d_ff]
         # The first tokens' rows give way to their dense up-projection (an edit's too: a first
         # token reads no row, so a persistent edit of the rows could not reach it either).
+        if self.up_proj is not None and forward.first_ups is not None:  # compiled, small: every layer's at the start
+            return torch.where(forward.first_mask[..., None].to(rows.device), forward.first_ups[self.layer].to(rows),
+                               rows)
         if self.up_proj is not None and forward.first_mask is not None:  # compiled: an op the graph calls
             return dense_first_tokens(x, rows, forward.first_mask, self.stem_handle)
         if self.up_proj is not None and forward.first is not None:
@@ -215,7 +261,19 @@ def _start_compiled_forward(module, ids: torch.Tensor, kwargs: dict) -> None:
         raise RuntimeError("a run-time row edit (set_stem_row_edit) applies to eager forwards only: clear it with "
                            "set_stem_row_edit(None) to run compiled, or run eagerly")
     first = first_token_mask(ids, kwargs) if module.config.stem_dense_first_token else None
-    module.stem_token_ids.compiled = ForwardIds(ids, first_mask=first)
+    forward = module.stem_token_ids.compiled = ForwardIds(ids, first_mask=first)
+    # A small forward's (a decode step's) rows and first tokens' up-projections of every layer, an op each at its
+    # start; only where the graph's sizes are fixed (a guard on a dynamic size would specialise it: vLLM marks the
+    # token count dynamic), and the up-projections without gradients (the op gives their weights none).
+    if not (isinstance(ids.numel(), int) and ids.numel() <= ROWS_AT_ONCE):
+        return
+    layers, d_ff = module.config.stem_layers, module.config.intermediate_size
+    dtype = module.get_input_embeddings().weight.dtype
+    if placement is not None and all(table.shape[1] == d_ff for table in placement.stored.values()):
+        forward.plan = rows_of_layers(ids, placement.stem_handle, len(placement.stored), d_ff, dtype)
+    if first is not None and not torch.is_grad_enabled():
+        ups = first_token_ups(ids, first, module.stem_handle, len(layers), d_ff, dtype)
+        forward.first_ups = dict(zip(layers, ups.unbind(0)))
 
 
 def _end_forward(module, args, kwargs, output):
@@ -321,6 +379,8 @@ class _StemDispatch:
         # MLPs of the STEM layers are replaced and the id hooks are installed on the base model.
         base = self.base_model
         base.stem_token_ids = IdHandoff()
+        base.stem_first_token_ups = {}  # (token, dtype) -> (parameters' versions, its ups: `ups_of_first_token`)
+        handle(base, "model")
         loading = hasattr(_loading, "placement")
         placement = base.stem_tables_placement = _loading.placement if loading else placement_of_config(self.config)
         columns = {}  # layer -> (its group, its columns of the group's rows)

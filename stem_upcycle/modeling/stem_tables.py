@@ -80,6 +80,22 @@ def _placed_rows(ids: torch.Tensor, placement: int, layer: int, d_ff: int, dtype
 placed_rows = custom_op("placed_rows", _placed_rows,
                         lambda ids, placement, layer, d_ff, dtype: ids.new_empty((*ids.shape, d_ff), dtype=dtype))
 
+# A compiled forward of at most this many lookups (a decode step's) reads every STEM layer's rows at its start, in
+# one op (`rows_of_layers`), rather than one op per layer: inside a compiled decode at Llama-3.2-1B's shape a call
+# took 350 us (45 us called in a loop: between the graph's matrix products the caches are cold), 6 ms of a 90 ms
+# token with 16 layers (benchmarks/README.md, compiled_decode.py). Bounds what they hold at once: 16 layers x 64
+# x 8192 fp32 rows are 34 MB.
+ROWS_AT_ONCE = 64
+
+
+def _rows_of_layers(ids: torch.Tensor, placement: int, layers: int, d_ff: int, dtype: torch.dtype) -> torch.Tensor:
+    """[layers, *ids.shape, d_ff]: the rows of `ids` in each table of the placement with that handle, in layer order."""
+    return HANDLES[placement].rows_of_layers(ids, dtype)
+
+
+rows_of_layers = custom_op("rows_of_layers", _rows_of_layers, lambda ids, placement, layers, d_ff, dtype:
+                           ids.new_empty((layers, *ids.shape, d_ff), dtype=dtype))
+
 
 class PlacedTable(nn.Module):
     """A STEM MLP's `up_table` when the rows live outside the model: no parameter, no buffer, so that
@@ -95,6 +111,8 @@ class PlacedTable(nn.Module):
         handle(self.placement, "placement")
 
     def forward(self, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if torch.compiler.is_compiling() and isinstance(forward.plan, torch.Tensor):  # every layer's, read at the start
+            return forward.plan[sorted(self.placement.stored).index(self.layer)].to(device, dtype)
         if torch.compiler.is_compiling():  # the reads as one op of the graph (each layer's on its own)
             d_ff = self.placement.stored[self.layer].shape[1]
             return placed_rows(forward.ids, self.placement.stem_handle, self.layer, d_ff, dtype).to(device)
@@ -187,6 +205,11 @@ class RowAccess:
     def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Rows of `ids` [n] from now on: `rows` [n, d_ff], stored as the table stores rows."""
         self.set_parts(layer, ids, self.stored[layer].format.encode(rows.cpu()))
+
+    def rows_of_layers(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[layers, *ids.shape, d_ff]: the rows of `ids` in every table, in layer order (`ROWS_AT_ONCE`)."""
+        forward = ForwardIds(ids)  # its distinct ids found once for every layer
+        return torch.stack([self.rows(layer, forward, ids.device, dtype) for layer in sorted(self.stored)])
 
     def parameters_advice(self) -> str:
         """How to have these tables as parameters, which training, resizing and saving need."""
@@ -384,6 +407,19 @@ class MmapTables(RowAccess):
         parts = plan.take(layer) if plan is not None else self.read_parts(layer, unique)
         rows = self.stored[layer].format.decode(parts, dtype)  # [n_distinct, d_ff]
         return rows[inverse].to(device, non_blocking=True)  # [batch, seq, d_ff]
+
+    def rows_of_layers(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`RowAccess.rows_of_layers` with every layer's reads asked of the disk before the first waits (a decode
+        step's 16 cold rows then wait on it together, not one after another) and a group's rows read once."""
+        unique, inverse = ForwardIds(ids).unique()
+        for where in {where for layer, table in self.stored.items() for name, where in table.parts.items()
+                      if name not in self.resident[layer]}:
+            advise_rows(self._fds[where.path], where, unique)
+        shared = {}  # a group's rows, read by its first layer
+        started = {layer: self._start(layer, unique, pool=None, shared=shared) for layer in sorted(self.stored)}
+        rows = [self.stored[layer].format.decode(self._finish(layer, unique, reads), dtype)
+                for layer, reads in started.items()]  # [n_distinct, d_ff] each
+        return torch.stack(rows)[:, inverse].to(ids.device)  # [layers, *ids.shape, d_ff]
 
     def end(self, forward: ForwardIds) -> None:
         self._cancel()
