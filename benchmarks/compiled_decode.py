@@ -1,24 +1,28 @@
 """Decode speed of a STEM model against its dense parent, eager and compiled, side by side in one run.
 
     python benchmarks/compiled_decode.py            # SmolLM2-135M, a third of its layers converted
-    python benchmarks/compiled_decode.py --runs 5   # more runs of each (the last is reported)
+    python benchmarks/compiled_decode.py --rounds 9 # more rounds (the median is reported)
     python benchmarks/compiled_decode.py --model llama-1b   # Llama-3.2-1B's shape, every layer converted
+    python benchmarks/compiled_decode.py --dtype float32    # the compute dtype (auto: bf16 where the CPU has it)
 
-Transformers' generate(): batch 1, a 32-token prompt of real text, 64 greedy new tokens, fp32; STEM with its
-tables in memory (a compiled graph gathers their rows itself) and left in the files (mmap: an op of the graph
-reads them). "compiled": a static KV cache and `torch.compile(model.forward, mode="reduce-overhead",
-fullgraph=True)`, through which generate() runs the prompt and every decode step ("reduce-overhead" means CUDA
-graphs on a GPU, untested with STEM: this benchmark is the CPU's).
-Each model and mode is loaded fresh, STEM with this checkout's code (not the copy in the converted folder);
-the third run of each is reported (the first compiles). The models are benchmarks/inference.py's (made once
-under --work): the parent and its conversion with a third of the layers (closed-form tables: values do not
-change speed). `--model llama-1b`: a random model of Llama-3.2-1B's shape (bf16 checkpoint) and its conversion
-with every layer, tables stored int8 (all 16 in bf16 are 33.6 GB, more than this machine's RAM and free disk; int8
-are 16.8 GB) and left in the files (mmap): the dense parts (0.97 of the parent's 1.24 billion parameters) are
-what a decode step reads; both run in fp32.
+Transformers' generate(): batch 1, a 32-token prompt of real text, 64 greedy new tokens; STEM with its tables in
+memory (a compiled graph gathers their rows itself) and left in the files (mmap: an op of the graph reads them).
+"compiled": a static KV cache and `torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`, through
+which generate() runs the prompt and every decode step ("reduce-overhead" means CUDA graphs on a GPU, untested
+with STEM: this benchmark is the CPU's). For each mode, the parent and the STEM models are loaded into one process
+(STEM with this checkout's code, not the copy in the converted folder), run twice each (compiling), then measured
+in turns, round after round, so that the machine's drift (clock, neighbours) hits them alike; reported: each
+model's median tokens/s and the median of its per-round ratios to the parent. Compute dtype: bf16 where the CPU
+has native bf16 (avx512_bf16, amx_bf16; measured here: the parent decodes 2.2x faster than in fp32), else fp32
+(emulated bf16 is slower than fp32). The models are benchmarks/inference.py's (made once under --work): the
+parent and its conversion with a third of the layers (closed-form tables: values do not change speed).
+`--model llama-1b`: a random model of Llama-3.2-1B's shape (bf16 checkpoint) and its conversion with every layer,
+tables stored int8 (all 16 in bf16 are 33.6 GB, more than this machine's RAM) and left in the files (mmap): the
+dense parts (0.97 of the parent's 1.24 billion parameters) are what a decode step reads.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,36 +38,61 @@ from inference import machine, prepare, prompt_ids  # noqa: E402
 PROMPT_TOKENS, NEW_TOKENS = 32, 64
 
 
-@torch.no_grad()
-def tokens_per_s(path: Path, placement: str | None, compiled: bool, ids: torch.Tensor, runs: int) -> float:
-    """New tokens per second of generate() in the last of `runs` runs; `placement`: the STEM model's tables
-    (None: the dense parent)."""
+def native_bf16() -> bool:
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def load(path: Path, placement: str | None, compiled: bool, dtype: torch.dtype):
+    """The parent (`placement` None) or the STEM model with its tables placed so, compiled or not."""
     from transformers import AutoModelForCausalLM
 
     from stem_upcycle import StemForCausalLM
 
     if placement is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     else:
-        model = StemForCausalLM.from_pretrained(path, dtype=torch.float32, stem_tables=placement)
-    model.eval()
-    kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        model = StemForCausalLM.from_pretrained(path, dtype=dtype, stem_tables=placement).eval()
     if compiled:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    return model
+
+
+@torch.no_grad()
+def tokens_per_s(model, compiled: bool, ids: torch.Tensor) -> float:
+    """New tokens per second of one generate()."""
+    kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    if compiled:
         kwargs["cache_implementation"] = "static"
-    for _ in range(runs):
-        started = time.perf_counter()
-        model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), **kwargs)
-        seconds = time.perf_counter() - started
-    return NEW_TOKENS / seconds
+    started = time.perf_counter()
+    model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), **kwargs)
+    return NEW_TOKENS / (time.perf_counter() - started)
+
+
+def in_turns(models: dict[str, tuple[Path, str | None]], compiled: bool, dtype: torch.dtype, ids: torch.Tensor,
+             rounds: int) -> dict[str, tuple[float, float]]:
+    """{name: (median tokens/s, median of its per-round ratios to the first model)}, the models loaded together
+    and measured in turns."""
+    loaded = {name: load(path, placement, compiled, dtype) for name, (path, placement) in models.items()}
+    for model in loaded.values():  # compiles (the prompt's graph and the decode step's)
+        tokens_per_s(model, compiled, ids), tokens_per_s(model, compiled, ids)
+    speeds = {name: [] for name in loaded}
+    for _ in range(rounds):
+        for name, model in loaded.items():
+            speeds[name].append(tokens_per_s(model, compiled, ids))
+    reference = speeds[next(iter(speeds))]
+    return {name: (statistics.median(v), statistics.median(a / b for a, b in zip(v, reference)))
+            for name, v in speeds.items()}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-inference")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", choices=["smollm2", "llama-1b"], default="smollm2")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if native_bf16() else torch.float32
     print(machine())
     prepare(args.work, "smollm2", {})  # its tokenizer gives the prompt
     ids = prompt_ids(args.work)[:PROMPT_TOKENS]
@@ -76,19 +105,17 @@ def main():
         paths = prepare(args.work, "llama-1b", {"stem-all-int8": {"layers": "all", "table_dtype": "int8"}})
         title = "Llama-3.2-1B shape, every layer STEM (int8 tables)"
         models = {"parent": (paths["dense"], None), "STEM mmap": (paths["stem-all-int8"], "mmap")}
-    speed = {(name, mode): tokens_per_s(path, placement, mode == "compiled", ids, args.runs)
-             for mode in ("eager", "compiled") for name, (path, placement) in models.items()}
+    speed = {mode: in_turns(models, mode == "compiled", dtype, ids, args.rounds) for mode in ("eager", "compiled")}
     stem = [name for name in models if name != "parent"]
-    print(f"{title}, batch 1, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, fp32, run {args.runs} of each; "
-          f"tokens/s and STEM / parent")
+    print(f"{title}, batch 1, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, {str(dtype)[6:]}, median of "
+          f"{args.rounds} rounds in turns; tokens/s and STEM / parent (median of the rounds' ratios)")
     print("| | parent | " + " | ".join(stem) + " |")
     print("|---" * (len(stem) + 2) + "|")
     for mode in ("eager", "compiled"):
-        parent = speed["parent", mode]
-        cells = [f"{speed[name, mode]:.1f} ({speed[name, mode] / parent:.2f}x)" for name in stem]
-        print(f"| {mode} | {parent:.1f} | " + " | ".join(cells) + " |")
-    print("compiled / eager: " + ", ".join(f"{name} {speed[name, 'compiled'] / speed[name, 'eager']:.2f}x"
-                                           for name in models))
+        cells = [f"{speed[mode][name][0]:.1f} ({speed[mode][name][1]:.2f}x)" for name in stem]
+        print(f"| {mode} | {speed[mode]['parent'][0]:.1f} | " + " | ".join(cells) + " |")
+    print("compiled / eager (medians): " + ", ".join(
+        f"{name} {speed['compiled'][name][0] / speed['eager'][name][0]:.2f}x" for name in models))
 
 
 if __name__ == "__main__":
