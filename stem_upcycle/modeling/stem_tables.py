@@ -31,7 +31,7 @@ from torch import nn
 
 from .forward_ids import ForwardIds, check_ids
 from .table_files import (StemTablesError, StoredTable, TableFile, advise_rows, checkpoint_files, locate_table_groups,
-                          locate_tables, locate_tensor, read_columns, read_rows, read_whole, stored_tensors)
+                          locate_tables, locate_tensor, read_columns, read_rows, read_whole, runs_of, stored_tensors)
 from .table_format import TableFormat
 
 PLACEMENTS = ("memory", "mmap", "host")
@@ -293,13 +293,15 @@ class MmapTables(RowAccess):
         """Per part, [n, ...] the stored rows of the ids `ids` [n], read from the files."""
         return self._finish(layer, ids, self._start(layer, ids, pool=None))
 
-    def _start(self, layer: int, ids: torch.Tensor, pool, shared: dict | None = None) -> tuple[dict, list]:
+    def _start(self, layer: int, ids: torch.Tensor, pool, shared: dict | None = None,
+               runs: list | None = None) -> tuple[dict, list]:
         """(the parts' stored rows of `ids` [n], being read; the reads in flight): on `pool` in tasks of a
         share of the ids each, or here and now without one. `shared`: stored tensor -> (its rows, their
         reads) that this forward started already; a grouped table's rows are its group's, read once for
-        all the group's layers."""
+        all the group's layers. `runs`: the runs of `ids` (`runs_of`), which the caller found and checked."""
         table = self.stored[layer]
-        check_ids(ids, table.shape[0])  # a read past a table would return another tensor's bytes
+        if runs is None:
+            check_ids(ids, table.shape[0])  # a read past a table would return another tensor's bytes
         parts, reads = {}, []
         for name, where in table.parts.items():
             if name in self.resident[layer]:
@@ -312,7 +314,7 @@ class MmapTables(RowAccess):
             rows = parts[name] = torch.empty(ids.numel(), where.shape[1], dtype=where.dtype, device="cpu")
             fd, started = self._fds[where.path], []
             if pool is None or ids.numel() < MIN_ROWS_PER_READ_TASK:
-                read_rows(fd, where, ids, rows)
+                read_rows(fd, where, ids, rows, runs)
             else:
                 step = max(MIN_ROWS_PER_READ_TASK, -(-ids.numel() // READ_THREADS))
                 started = [pool.submit(read_rows, fd, where, ids[b : b + step], rows[b : b + step])
@@ -412,14 +414,22 @@ class MmapTables(RowAccess):
         """`RowAccess.rows_of_layers` with every layer's reads asked of the disk before the first waits (a decode
         step's 16 cold rows then wait on it together, not one after another) and a group's rows read once."""
         unique, inverse = ForwardIds(ids).unique()
+        check_ids(unique, min(table.shape[0] for table in self.stored.values()))  # once, and the runs once, for all
+        runs = runs_of(unique)
         for where in {where for layer, table in self.stored.items() for name, where in table.parts.items()
                       if name not in self.resident[layer]}:
-            advise_rows(self._fds[where.path], where, unique)
+            advise_rows(self._fds[where.path], where, unique, runs)
         shared = {}  # a group's rows, read by its first layer
-        started = {layer: self._start(layer, unique, pool=None, shared=shared) for layer in sorted(self.stored)}
-        rows = [self.stored[layer].format.decode(self._finish(layer, unique, reads), dtype)
-                for layer, reads in started.items()]  # [n_distinct, d_ff] each
-        return torch.stack(rows)[:, inverse].to(ids.device)  # [layers, *ids.shape, d_ff]
+        layers = sorted(self.stored)
+        started = {layer: self._start(layer, unique, pool=None, shared=shared, runs=runs) for layer in layers}
+        parts = [self._finish(layer, unique, reads) for layer, reads in started.items()]  # [n_distinct, ...] each
+        formats = {self.stored[layer].format for layer in layers}
+        if len(formats) == 1:  # decoded together: a few operations for every layer, not a few per layer
+            together = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+            rows = formats.pop().decode(together, dtype).view(len(layers), unique.numel(), -1)
+        else:
+            rows = torch.stack([self.stored[layer].format.decode(p, dtype) for layer, p in zip(layers, parts)])
+        return rows[:, inverse].to(ids.device)  # [layers, *ids.shape, d_ff]
 
     def end(self, forward: ForwardIds) -> None:
         self._cancel()

@@ -258,15 +258,16 @@ def runs_of(ids: torch.Tensor) -> list[tuple[int, int, int]]:
     return list(zip(ids[starts].tolist(), bounds, bounds[1:]))
 
 
-def read_rows(fd: int, table: TableFile, ids: torch.Tensor, out: torch.Tensor) -> None:
+def read_rows(fd: int, table: TableFile, ids: torch.Tensor, out: torch.Tensor, runs: list | None = None) -> None:
     """Rows `ids` [n] of `table` into `out` [n, width], by positioned reads of the open file `fd`: one
     read per run of consecutive ids, repeated where the kernel returns less (a read stops at 2 GB on Linux).
-    os.preadv releases the GIL, so reads issued from several threads wait on the disk together."""
+    os.preadv releases the GIL, so reads issued from several threads wait on the disk together. `runs`: `runs_of(ids)`,
+    where the caller found them already (one forward's ids, read from every table)."""
     if not ids.numel():
         return
     buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
     size = table.row_bytes
-    for token, begin, stop in runs_of(ids):
+    for token, begin, stop in runs_of(ids) if runs is None else runs:
         _read_fully(fd, table, buffer[begin * size : stop * size], table.offset + token * size)
 
 
@@ -295,11 +296,11 @@ def _read_fully(fd: int, table: TableFile, view: memoryview, offset: int) -> Non
         done += got
 
 
-def advise_rows(fd: int, table: TableFile, ids: torch.Tensor) -> None:
+def advise_rows(fd: int, table: TableFile, ids: torch.Tensor, runs: list | None = None) -> None:
     """Ask the kernel to start reading rows `ids` [n] of `table` into the page cache, and return without
     waiting (posix_fadvise(WILLNEED), one call per run of consecutive ids). The reads of rows not yet
     cached then wait on the disk all together, not a few at a time as blocking reads on a few threads
     do: on 2 cores, 15,000 cold SmolLM2 rows were read in 0.4 s instead of 1.0 s (cold_rows.py)."""
     size = table.row_bytes
-    for token, begin, stop in runs_of(ids):
+    for token, begin, stop in runs_of(ids) if runs is None else runs:
         os.posix_fadvise(fd, table.offset + token * size, (stop - begin) * size, os.POSIX_FADV_WILLNEED)
