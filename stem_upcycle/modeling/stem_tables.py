@@ -413,6 +413,9 @@ class MmapTables(RowAccess):
     def rows_of_layers(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`RowAccess.rows_of_layers` with every layer's reads asked of the disk before the first waits (a decode
         step's 16 cold rows then wait on it together, not one after another) and a group's rows read once."""
+        formats = {table.format for table in self.stored.values()}
+        if len(formats) > 1:  # float tables of several dtypes (as their files hold them): decoded a table at a time
+            return super().rows_of_layers(ids, dtype)
         unique, inverse = ForwardIds(ids).unique()
         check_ids(unique, min(table.shape[0] for table in self.stored.values()))  # once, and the runs once, for all
         runs = runs_of(unique)
@@ -423,12 +426,8 @@ class MmapTables(RowAccess):
         layers = sorted(self.stored)
         started = {layer: self._start(layer, unique, pool=None, shared=shared, runs=runs) for layer in layers}
         parts = [self._finish(layer, unique, reads) for layer, reads in started.items()]  # [n_distinct, ...] each
-        formats = {self.stored[layer].format for layer in layers}
-        if len(formats) == 1:  # decoded together: a few operations for every layer, not a few per layer
-            together = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
-            rows = formats.pop().decode(together, dtype).view(len(layers), unique.numel(), -1)
-        else:
-            rows = torch.stack([self.stored[layer].format.decode(p, dtype) for layer, p in zip(layers, parts)])
+        together = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}  # decoded in one go, not per layer
+        rows = formats.pop().decode(together, dtype).view(len(layers), unique.numel(), -1)
         return rows[:, inverse].to(ids.device)  # [layers, *ids.shape, d_ff]
 
     def end(self, forward: ForwardIds) -> None:
