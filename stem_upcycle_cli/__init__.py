@@ -502,9 +502,17 @@ def train(recipe, output, overrides, resume, quiet, plan_only, launch_config):
         click.echo(plan.describe())
         click.echo(plan.confirm(Path(output)))
         return
+    import torch
+
     from stem_upcycle.training.trainer import train as run_training
 
-    out = run_training(recipe, output, resume=resume, progress=not quiet)
+    try:
+        out = run_training(recipe, output, resume=resume, progress=not quiet)
+    finally:
+        # The process ends here. A gloo process group left to the interpreter's exit aborts it now and then
+        # (SIGABRT, "terminate called without an active exception": its worker threads outlive Python).
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":  # the model is written once, by the main process
         click.echo(f"wrote {out}")
 

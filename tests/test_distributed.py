@@ -61,8 +61,10 @@ def _launch(*args, **kwargs) -> subprocess.CompletedProcess:
 
 
 def _failure(stderr: str) -> str:
-    """What a launched run's processes said: every process's error line (the root cause may be any rank's), the tail."""
-    return "\n".join([line for line in stderr.splitlines() if "Error" in line] + [stderr[-2000:]])
+    """What a launched run's processes said, progress bars left out, up to the launcher's report: the root cause
+    may be any rank's, a Python traceback or a C++ abort (`terminate called ... what(): ...`)."""
+    said = [line for line in stderr.splitlines() if "it/s]" not in line and "s/it]" not in line]
+    return "\n".join(said)[-10000:]
 
 
 def _single(ws: Path, name: str, sets: list[str]) -> Path:
