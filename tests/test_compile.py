@@ -48,8 +48,12 @@ for placement, reads in runs:
     model = load(placement)
     if model.stem_placement is None and reads == "per layer":
         continue  # float tables in memory are gathered inside the graph: no op either way
-    code = sys.modules[type(model).__module__]
-    default, code.ROWS_AT_ONCE = code.ROWS_AT_ONCE, code.ROWS_AT_ONCE if reads == "at once" else 0
+    # the bound, in the modeling code (a compiled forward's choice of op) and the tables' (the per-layer op's own)
+    modeling = type(model).__module__
+    codes = [sys.modules[modeling], sys.modules[modeling.replace("modeling_stem", "stem_tables")]]
+    default = codes[0].ROWS_AT_ONCE
+    for code in codes:
+        code.ROWS_AT_ONCE = 0 if reads == "per layer" else default
     calls = []
     if model.stem_placement is not None:  # count the one-op reads, from the op's side
         read_all = model.stem_placement.rows_of_layers
@@ -68,7 +72,8 @@ for placement, reads in runs:
         again = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                cache_implementation="static")
         assert torch.equal(again, tokens), (placement, again, tokens)
-    code.ROWS_AT_ONCE = default
+    for code in codes:
+        code.ROWS_AT_ONCE = default
     print(placement, model.stem_tables, "ok", reads if model.stem_placement is not None else "in the graph",
           "with" if calls else "without", "rows_of_layers")
 

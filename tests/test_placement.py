@@ -266,6 +266,31 @@ def test_mmap_reads_a_run_of_consecutive_rows_at_once_and_shadows_rows_set_later
     assert rows[:, 0].tolist()[3:] == [2.0, memory.stem_table_rows(2, ids)[4, 0].item(), 1.0, 7.0]  # 9: the later
 
 
+@pytest.mark.parametrize("count", [5, 65])  # at most ROWS_AT_ONCE (64) lookups, and more
+def test_the_per_layer_op_reads_every_layers_rows_at_the_first_layer_of_a_small_lookup(stem_dir, count):
+    """The `placed_rows` op called layer by layer (as vLLM's graphs, whose token count is dynamic, call it): a lookup
+    of at most ROWS_AT_ONCE ids reads every layer's rows at the first layer, the next layer takes its own from
+    them; another lookup, or the next forward's first layer, reads again, so rows set in between are seen."""
+    from stem_upcycle.modeling.stem_tables import placed_rows
+
+    memory, mapped = load(stem_dir, "memory"), load(stem_dir, "mmap")
+    placement = mapped.stem_placement
+    reads, read_all = [], placement.rows_of_layers
+    placement.rows_of_layers = lambda *args: reads.append(1) or read_all(*args)
+
+    def op(layer, ids):
+        return placed_rows(ids, placement.stem_handle, layer, 48, torch.float32)
+
+    ids = torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(0))
+    for layer in (0, 2):  # a forward
+        torch.testing.assert_close(op(layer, ids), memory.stem_table_rows(layer, ids), rtol=0, atol=0)
+    assert len(reads) == (1 if count <= 64 else 0)
+    placement.set_rows(2, ids[:1], torch.full((1, 48), 7.0))  # between forwards of the same ids
+    assert op(0, ids).shape == (count, 48) and op(2, ids)[0].eq(7.0).all()
+    other = ids.flip(0)  # a layer's lookup of other ids than those read at once
+    torch.testing.assert_close(op(2, other)[:-1], memory.stem_table_rows(2, other)[:-1], rtol=0, atol=0)
+
+
 def test_mmap_asks_the_kernel_for_every_stem_layers_rows_at_forward_start(stem_dir, monkeypatch):
     import os
 

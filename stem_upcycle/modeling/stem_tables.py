@@ -74,7 +74,7 @@ def handle(obj, kind: str) -> int:
 
 def _placed_rows(ids: torch.Tensor, placement: int, layer: int, d_ff: int, dtype: torch.dtype) -> torch.Tensor:
     """[*ids.shape, d_ff] rows of `ids` in the table of `layer`, read by the placement with that handle."""
-    return HANDLES[placement].rows(layer, ForwardIds(ids), ids.device, dtype)
+    return HANDLES[placement].placed_rows(layer, ids, dtype)
 
 
 placed_rows = custom_op("placed_rows", _placed_rows,
@@ -210,6 +210,28 @@ class RowAccess:
         """[layers, *ids.shape, d_ff]: the rows of `ids` in every table, in layer order (`ROWS_AT_ONCE`)."""
         forward = ForwardIds(ids)  # its distinct ids found once for every layer
         return torch.stack([self.rows(layer, forward, ids.device, dtype) for layer in sorted(self.stored)])
+
+    def placed_rows(self, layer: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The `placed_rows` op's read: [*ids.shape, d_ff]. A graph whose token count is dynamic (vLLM's) calls the op
+        layer by layer, so a lookup of at most `ROWS_AT_ONCE` ids reads every layer's rows at the first STEM layer, as
+        `rows_of_layers` reads them for a graph of fixed sizes, and the layers after take theirs from what it read
+        (this thread's, while their ids are the same). The first layer reads again every forward: rows written
+        between forwards (`set_rows`) are seen."""
+        if ids.numel() > ROWS_AT_ONCE:
+            return self.rows(layer, ForwardIds(ids), ids.device, dtype)
+        order = sorted(self.stored)
+        held = self._rows_read_at_once.__dict__
+        same = (held.get("dtype") == dtype and held["ids"].shape == ids.shape and held["ids"].device == ids.device
+                and torch.equal(held["ids"], ids)) if held else False
+        if layer == order[0] or not same:
+            held.update(ids=ids.clone(), dtype=dtype, rows=self.rows_of_layers(ids, dtype))
+        # a copy: the op's output is the graph's to write over, and the held rows serve the layers after
+        return held["rows"][order.index(layer)].clone()
+
+    @property
+    def _rows_read_at_once(self) -> threading.local:
+        """This thread's rows of every layer read by `placed_rows` for the ids of the forward in flight."""
+        return self.__dict__.setdefault("_rows_at_once", threading.local())
 
     def parameters_advice(self) -> str:
         """How to have these tables as parameters, which training, resizing and saving need."""
