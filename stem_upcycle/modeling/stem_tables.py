@@ -83,8 +83,9 @@ placed_rows = custom_op("placed_rows", _placed_rows,
 # A compiled forward of at most this many lookups (a decode step's) reads every STEM layer's rows at its start, in
 # one op (`rows_of_layers`), rather than one op per layer: inside a compiled decode at Llama-3.2-1B's shape a call
 # took 350 us (45 us called in a loop: between the graph's matrix products the caches are cold), 6 ms of a 90 ms
-# token with 16 layers (benchmarks/README.md, compiled_decode.py). Bounds what they hold at once: 16 layers x 64
-# x 8192 fp32 rows are 34 MB.
+# token with 16 layers (benchmarks/README.md, compiled_decode.py). A graph of dynamic sizes (vLLM's) keeps an op per
+# layer, whose first layer's call reads them all (`RowAccess.placed_rows`). Bounds what they hold at once: 16
+# layers x 64 x 8192 fp32 rows are 34 MB.
 ROWS_AT_ONCE = 64
 
 
