@@ -2,6 +2,7 @@
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .summary import describe_widths
 from .table_init import INITIALISERS
 
 UNTRAINED_WARNING = (
@@ -24,6 +25,14 @@ def model_card(plan, command: str) -> str:
     return ModelCard(f"---\n{data.to_yaml()}\n---\n" + _body(plan, command, license_)).content
 
 
+def _replaced(plan) -> str:
+    """Which of a STEM layer's up-projection the table replaced, in words."""
+    if not plan.columns:
+        return ""
+    return (" of some of its intermediate neurons (the table's columns, ordered first; `up_rest` keeps the others' "
+            "dense: `down_proj(act(gate_proj(x)) * cat(up_table[token_id], up_rest(x)))`)")
+
+
 def _body(plan, command: str, license_: str) -> str:
     cfg = plan.config
     return f"""
@@ -32,7 +41,7 @@ def _body(plan, command: str, license_: str) -> str:
 A STEM model (Scaling Transformers with Embedding Modules, arXiv 2601.10639) made by
 [stem-upcycle](https://pypi.org/project/stem-upcycle/) from a dense `{cfg.dense_model_type}` checkpoint.
 In the STEM layers the MLP computes `down_proj(act(gate_proj(x)) * up_table[token_id])`: the dense
-up-projection is replaced by a table with one row of size {cfg.intermediate_size} per vocabulary entry.
+up-projection{_replaced(plan)} is replaced by a table with one row per vocabulary entry.
 
 | | |
 |---|---|
@@ -40,7 +49,8 @@ up-projection is replaced by a table with one row of size {cfg.intermediate_size
 | licence of the base model | {license_} |
 | STEM layers | {len(plan.layers)} of {cfg.num_hidden_layers}: {plan.layers} |
 | table init | `{plan.init}`: {INITIALISERS[plan.init].description} |
-| tables | {len(plan.layers)} x [{cfg.vocab_size}, {cfg.intermediate_size}], {plan.table_format.describe()}: {plan.table_bytes / 1e9:.2f} GB |
+| table columns | {plan.describe_columns()} |
+| tables | {len(plan.layers)} x [{cfg.vocab_size}, {describe_widths(cfg)}], {plan.table_format.describe()}: {plan.table_bytes / 1e9:.2f} GB |
 | first token | {"dense up-projection (kept for each sequence's first token)" if cfg.stem_dense_first_token else "its table row"} |
 | weights | {plan.total_bytes / 1e9:.2f} GB in {len(plan.shards)} safetensors shard(s) |
 | made with | `{command or "stem_upcycle.convert"}` |

@@ -26,7 +26,7 @@ from .modeling.table_files import is_table_tensor
 from .modeling.table_format import TableFormat
 from .shards import INDEX_NAME, TensorSpec, plan_shards
 from .source import Source
-from .summary import table_layout
+from .summary import describe_widths, table_layout
 
 
 @dataclass
@@ -53,7 +53,7 @@ class CompressionPlan:
         before, after = self.table_bytes()
         olds = sorted({f.describe() for f in self.old.values()})
         return "\n".join([
-            f"model      {self.source.spec} ({len(self.old)} STEM tables of [{cfg.vocab_size}, {cfg.intermediate_size}])",
+            f"model      {self.source.spec} ({len(self.old)} STEM tables of [{cfg.vocab_size}, {describe_widths(cfg)}])",
             f"tables     {' / '.join(olds)} -> {self.new.describe()}",
             f"layout     {table_layout(self.source.config.stem_table_groups)} -> {table_layout(self.groups)}",
             f"table bytes {_size(before)} -> {_size(after)} ({after / before:.3f}x)",
@@ -81,8 +81,11 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
     old = {layer: table.format for layer, table in placed.stored.items()}
     if table_dtype is None and len(set(old.values())) > 1:
         raise ConversionError(f"the tables of {source.spec} are stored in several formats; give --table-dtype")
+    widths = {layer: cfg.table_columns(layer) for layer in cfg.stem_layers}
     new = next(iter(old.values())) if table_dtype is None else resolve_table_format(table_dtype, block_size,
                                                                                       cfg.intermediate_size)
+    for width in set(widths.values()):  # each table's rows split into the format's blocks
+        resolve_table_format(new.dtype, new.block_size or None, width)
     groups = _new_groups(source, new, layer_groups)
     if all(f == new for f in old.values()) and groups == cfg.stem_table_groups:
         raise ConversionError(f"the tables of {source.spec} are already {new.describe()}, stored as "
@@ -96,10 +99,10 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
     for k, group in enumerate(groups or []):
         out = table_group_name(k)
         key = tensor_order_key(layer_name(group[0], STEM_TABLE_PREFIX + ".weight"))  # where its first table was
-        placed_at[out] = (key, TensorSpec(out, (vocab, d_ff * len(group)), new.parts(d_ff)["weight"][1]),
+        placed_at[out] = (key, TensorSpec(out, (vocab, sum(widths[i] for i in group)), new.parts(d_ff)["weight"][1]),
                           TableGroup(tuple(group)))
     for layer in cfg.stem_layers if not groups else []:
-        for part, (width, dtype) in new.parts(d_ff).items():
+        for part, (width, dtype) in new.parts(widths[layer]).items():
             out = layer_name(layer, f"{STEM_TABLE_PREFIX}.{part}")
             placed_at[out] = (tensor_order_key(out), TensorSpec(out, (vocab, width), dtype), Table(layer, part))
     ordered = sorted(placed_at.values(), key=lambda entry: entry[0])
@@ -125,13 +128,14 @@ def run_compression(plan: CompressionPlan, out: Path, overwrite: bool = False, p
         print(f"note: the tables are compressed already; re-encoding them as {plan.new.dtype} adds its error to "
               f"theirs: compress the float model for the best rows", file=sys.stderr)
     placed = stem_tables(plan.source)
-    d_ff = plan.source.config.intermediate_size
+    cfg = plan.source.config
+    d_ff, widths = cfg.intermediate_size, {layer: cfg.table_columns(layer) for layer in cfg.stem_layers}
 
     def table_rows(layer):
         return lambda start, stop, chunk: chunk.copy_(placed.read_range(layer, start, stop))
 
     def write(staging: Path) -> None:
-        write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, table_rows, plan.new, d_ff,
+        write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, table_rows, plan.new, widths,
                       chunk_rows(d_ff), staging, progress)
         _write_side_files(plan, staging, command)
 

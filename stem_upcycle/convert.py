@@ -20,19 +20,21 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from . import card
 from .errors import UserError
-from .families import (EMBEDDING, LAYER_PREFIX, LM_HEAD, STEM_GATE, STEM_TABLE_PREFIX, STEM_UP, Family, family_for,
-                       layer_name)
-from .layers import DEFAULT_LAYERS, parse_layers
+from .families import (EMBEDDING, LAYER_PREFIX, LM_HEAD, STEM_GATE, STEM_NEURON_ORDER, STEM_TABLE_PREFIX, STEM_UP,
+                       STEM_UP_REST, Family, family_for, layer_name)
+from .layers import DEFAULT_LAYERS
+from .neurons import ALL as ALL_COLUMNS, NeuronSplit, column_step, describe_columns
 from .modeling import StemConfig
 from .modeling.table_files import TABLE_GROUP_PREFIX
 from .modeling.table_format import TableFormat, TableFormatError
 from .atomic import write_staged
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
 from .source import DTYPES, TOKENIZER_FILES, Source
-from .summary import table_layout
+from .summary import describe_widths, table_layout
 from .table_init import INITIALISERS, InitOptions, InitTarget
-from .table_init.layer_choice import auto_fraction, check_auto, is_auto, select_layers
+from .table_init.layer_choice import is_auto
 from .table_init.layer_fit import describe_options, fit_record
+from .table_init.row_choice import RowChoice, choose_rows
 
 MODELING_DIR = Path(__file__).parent / "modeling"
 MODELING_FILES = ("configuration_stem.py", "modeling_stem.py", "forward_ids.py", "stem_tables.py", "table_files.py",
@@ -54,12 +56,37 @@ class ConversionError(UserError):
     """A conversion refused before anything was written; the message names the problem and the fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Copy:
-    """An output tensor taken from a source tensor (rows [start, stop) of it when rows is set)."""
+    """An output tensor taken from a source tensor: rows [start, stop) of it when rows is set; then, with `neurons`,
+    those intermediate neurons in that order (`NeuronSplit`): rows of a gate or up-projection (axis 0), columns of
+    a down-projection (axis 1)."""
 
     source_name: str
     rows: tuple[int, int] | None = None
+    neurons: torch.Tensor | None = None
+    axis: int = 0
+
+    def shape(self, source: tuple[int, ...]) -> tuple[int, ...]:
+        """The output's shape, of a source tensor of shape `source`."""
+        shape = list(source)
+        if self.rows is not None:
+            shape[0] = self.rows[1] - self.rows[0]
+        if self.neurons is not None:
+            shape[self.axis] = self.neurons.numel()
+        return tuple(shape)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            tensor = tensor[self.rows[0] : self.rows[1]]
+        return tensor if self.neurons is None else tensor.index_select(self.axis, self.neurons)
+
+
+@dataclass(frozen=True, eq=False)
+class Constant:
+    """An output tensor the plan holds itself (a layer's `neuron_order`)."""
+
+    tensor: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -94,10 +121,17 @@ class ConversionPlan:
     # For `--layers auto:` in a dry run: the spec; `layers` then stands for the chosen count (sizes only)
     auto_spec: str | None = None
     table_format: TableFormat | None = None  # how the tables' rows are stored; None: float, in `dtype`
+    choice: RowChoice | None = None  # the layers and, in each, the neurons that became rows (`choose_rows`)
+    columns_spec: str = "all"  # --columns, for the plan's description
+
+    @property
+    def columns(self) -> dict[int, NeuronSplit]:
+        """Per converted layer whose table holds some of its neurons, their split (empty: whole layers)."""
+        return self.choice.columns if self.choice is not None else {}
 
     @property
     def init_target(self) -> InitTarget:
-        return InitTarget(self.source, self.family, self.config, self.layers)
+        return InitTarget(self.source, self.family, self.config, self.layers, self.columns)
 
     @property
     def total_bytes(self) -> int:
@@ -153,15 +187,24 @@ class ConversionPlan:
             f"stem       {len(self.layers)} of {cfg.num_hidden_layers} layers: "
             + (f"chosen by the real run ({self.auto_spec}: every layer calibrated, then each converted alone "
                f"and scored on calibration windows)" if self.auto_spec else f"{self.layers}"),
+            f"columns    {self.describe_columns()}",
             f"init       {self.init}: {INITIALISERS[self.init].description}",
             *([f"fit        {describe_options(self.init_options.fit)}"] if self.fits else []),
-            f"tables     {len(self.layers)} x [{cfg.vocab_size}, {cfg.intermediate_size}] {self.table_format.describe()}"
+            f"tables     {len(self.layers)} x [{cfg.vocab_size}, {describe_widths(cfg)}] {self.table_format.describe()}"
             f" = {self.table_bytes / gb:.2f} GB ({self.table_bytes / len(self.layers) / gb:.2f} GB each), "
             f"{table_layout(cfg.stem_table_groups)}",
             f"output     {self.total_bytes / gb:.2f} GB in {len(self.shards)} shard(s)",
             f"peak RAM   ~{self.ram_estimate() / gb:.1f} GB (estimate)",
         ]
         return "\n".join(lines)
+
+
+    def describe_columns(self) -> str:
+        line = describe_columns(self.columns, self.config.intermediate_size, self.layers)
+        if self.columns_spec != "all" and self.choice is not None and not self.choice.measured:
+            return f"{line}; which neurons, the real run chooses ({self.columns_spec}: each neuron's error as a " \
+                   f"table column scored on calibration windows kept out of its rows)"
+        return line
 
 
 def chunk_rows(d_ff: int) -> int:
@@ -199,14 +242,18 @@ def plan_conversion(
     table_dtype: str | None = None,
     block_size: int | None = None,
     layer_groups: int | None = None,
+    columns: str = ALL_COLUMNS,
 ) -> ConversionPlan:
-    """Decide every output tensor and shard without reading any weight (`--layers auto:` reads them to
-    measure the layers, except in a dry run, which plans for as many layers without choosing them).
+    """Decide every output tensor and shard without reading any weight (choices that measure, `--layers auto:` and
+    `--columns`, read them to score layers and neurons, except in a dry run, which plans for as many without
+    choosing them: `choose_rows`).
 
-    `first_token`: "dense" keeps each STEM layer's up-projection for the sequences' first tokens
-    (see `StemMLP`), "table" reads their rows like any other token's. `table_dtype` stores the tables'
+    `first_token`: "dense" keeps each STEM layer's up-projection of its table columns for the sequences' first
+    tokens (see `StemMLP`), "table" reads their rows like any other token's. `table_dtype` stores the tables'
     rows as a float dtype or compressed (int8, float8, int4 with per-`block_size` scales); None: `dtype`.
-    `layer_groups`: float tables stored in groups of that many consecutive STEM layers (`table_groups`)."""
+    `layer_groups`: float tables stored in groups of that many consecutive STEM layers (`table_groups`).
+    `columns`: which of each converted layer's neurons become table columns (neurons.py); the others keep a dense
+    up-projection, and the layer's neurons are ordered table columns first."""
     dense = source.config
     family = family_for(dense.model_type)
     _refuse_quantized(source, family)
@@ -223,23 +270,23 @@ def plan_conversion(
     if INITIALISERS[init].needs_data and not init_options.has_text:
         raise ConversionError(f"--init {init} needs calibration text: pass --calib-data FILE (plain text) "
                               f"or --calib-generate TOKENS (text sampled from the model itself)")
-    auto_spec, layer_costs, fact_costs = None, None, None
-    if is_auto(layers) and dry_run:  # sizes depend on the count alone: no calibration, no measurement
-        check_auto(layers, init)
-        auto_spec, stem_layers = layers, parse_layers(auto_fraction(layers), dense.num_hidden_layers)
-    elif is_auto(layers):  # calibrates every layer and measures each; the init reuses that calibration
-        provisional = stem_config(dense, family, [0], init, torch.float32, False, dense_first)
-        stem_layers, init_options.calibration, layer_costs, fact_costs = select_layers(
-            layers, source, family, provisional, init, init_options, progress)
-    else:
-        stem_layers = parse_layers(layers, dense.num_hidden_layers)
     out_dtype = resolve_dtype(dtype, source)
-    table_format = resolve_table_format(table_dtype or _dtype_name(out_dtype), block_size, dense.intermediate_size)
-    shard_bytes, d_ff = parse_shard_size(max_shard_size), dense.intermediate_size
+    d_ff = dense.intermediate_size
+    table_format = resolve_table_format(table_dtype or _dtype_name(out_dtype), block_size, d_ff)
+    provisional = stem_config(dense, family, [0], init, torch.float32, False, dense_first)
+    choice = choose_rows(source, family, provisional, layers, columns, init, init_options,
+                         column_step(d_ff, table_format.block_size), progress, dry_run)
+    if choice.calibration is not None:  # --layers auto calibrated every layer already: the init reuses it
+        init_options.calibration = choice.calibration
+    stem_layers, splits = choice.layers, choice.columns
+    widths = choice.table_columns(d_ff)
+    for layer, width in widths.items():
+        resolve_table_format(table_format.dtype, table_format.block_size or None, width)
+    shard_bytes = parse_shard_size(max_shard_size)
     if layer_groups is None and table_format.compressed:  # compressed tables: a tensor (and scales) per table
         layer_groups = 1
     elif layer_groups is None:  # as many as a shard holds, up to the default
-        table_bytes = dense.vocab_size * dense.intermediate_size * table_format.parts(d_ff)["weight"][1].itemsize
+        table_bytes = dense.vocab_size * max(widths.values()) * table_format.parts(d_ff)["weight"][1].itemsize
         layer_groups = max(1, min(DEFAULT_LAYER_GROUPS, shard_bytes // table_bytes))
     groups = table_groups(stem_layers, layer_groups, table_format)
     first_of_group = {group[0]: (k, group) for k, group in enumerate(groups or [])}
@@ -248,7 +295,7 @@ def plan_conversion(
     specs, producers = [], {}
     dropped = set()
     for layer in stem_layers:  # the up-projection (and its bias) is what the table replaces
-        if not (family.fused_gate_up or dense_first):  # a fused gate_up is cut to its gate rows below
+        if not (family.fused_gate_up or dense_first or layer in splits):  # a fused gate_up is cut below
             dropped |= {layer_name(layer, family.up + ".weight"), layer_name(layer, family.up + ".bias")}
     if getattr(dense, "tie_word_embeddings", False):
         dropped.add(LM_HEAD)  # tied: stored once, as the embedding
@@ -256,23 +303,24 @@ def plan_conversion(
     for position, name in enumerate(names):
         layer = _layer_of(name)
         kind = tensors.dtype(name)
-        shape, out_name, producer = tensors.shape(name), name, Copy(name)
-        if family.fused_gate_up and layer in stem_layers and name == layer_name(layer, family.fused_gate_up + ".weight"):
-            out_name, shape, producer = layer_name(layer, STEM_GATE + ".weight"), (d_ff, shape[1]), Copy(name, (0, d_ff))
-            if dense_first:  # the up rows of the fused matrix, under the name a STEM MLP gives them
-                up = layer_name(layer, STEM_UP + ".weight")
-                specs.append(TensorSpec(up, (d_ff, shape[1]), out_dtype))
-                producers[up] = Copy(name, (d_ff, 2 * d_ff))
-        specs.append(TensorSpec(out_name, shape, out_dtype if kind.is_floating_point else kind))
-        producers[out_name] = producer
+        outputs = _mlp_outputs(name, layer, family, splits.get(layer), dense_first, d_ff) if layer in stem_layers \
+            else None
+        for out_name, producer in outputs or [(name, Copy(name))]:
+            shape = producer.shape(tuple(tensors.shape(name)))
+            specs.append(TensorSpec(out_name, shape, out_dtype if kind.is_floating_point else kind))
+            producers[out_name] = producer
         last_of_layer = position + 1 == len(names) or _layer_of(names[position + 1]) != layer
+        if layer in splits and last_of_layer:  # which parent neuron each of the STEM MLP's is
+            order = layer_name(layer, STEM_NEURON_ORDER)
+            specs.append(TensorSpec(order, (d_ff,), torch.int64))
+            producers[order] = Constant(splits[layer].order)
         if layer in first_of_group and last_of_layer:  # a group's tables where its first layer's would be
             k, group = first_of_group[layer]
-            specs.append(TensorSpec(table_group_name(k), (dense.vocab_size, len(group) * d_ff),
+            specs.append(TensorSpec(table_group_name(k), (dense.vocab_size, sum(widths[i] for i in group)),
                                     table_format.parts(d_ff)["weight"][1]))
             producers[table_group_name(k)] = TableGroup(tuple(group))
         elif layer in stem_layers and last_of_layer and not groups:
-            for part, (width, part_dtype) in table_format.parts(d_ff).items():
+            for part, (width, part_dtype) in table_format.parts(widths[layer]).items():
                 table = layer_name(layer, f"{STEM_TABLE_PREFIX}.{part}")
                 specs.append(TensorSpec(table, (dense.vocab_size, width), part_dtype))
                 producers[table] = Table(layer, part)
@@ -280,12 +328,39 @@ def plan_conversion(
     config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias, dense_first)
     config.stem_table_format = table_format.to_config()
     config.stem_table_groups = groups
-    if layer_costs is not None:  # what the choice rests on, kept for the user (and for choosing other counts)
-        config.stem_layer_costs = {str(layer): round(cost, 4) for layer, cost in layer_costs.items()}
-        config.stem_layer_fact_costs = {str(layer): round(cost, 4) for layer, cost in fact_costs.items()}
+    config.stem_table_columns = {str(layer): k for layer, k in widths.items()} if splits else None
+    if choice.layer_costs is not None:  # what the choice rests on, kept for the user (and for choosing other counts)
+        config.stem_layer_costs = {str(layer): round(cost, 4) for layer, cost in choice.layer_costs.items()}
+        config.stem_layer_fact_costs = {str(layer): round(cost, 4) for layer, cost in choice.fact_costs.items()}
     shards = plan_shards(specs, shard_bytes)
+    auto_spec = layers if is_auto(layers) and dry_run else None
     return ConversionPlan(source, family, stem_layers, out_dtype, init, specs, producers, shards, config, init_options,
-                          auto_spec, table_format)
+                          auto_spec, table_format, choice, columns)
+
+
+def _mlp_outputs(name: str, layer: int, family: Family, split: NeuronSplit | None, dense_first: bool,
+                 d_ff: int) -> list[tuple[str, Copy]] | None:
+    """The output tensors a STEM layer's MLP tensor `name` becomes: a fused gate_up cut into the gate and the up
+    rows of the table columns (the first token's); with a split, gate rows and down columns reordered, table
+    columns first, and the up rows cut into the table columns' (`up_proj`, the first token's) and the others'
+    (`up_rest`). None: copied as it is."""
+    order, table, rest = (None, None, None) if split is None else (split.order, split.table, split.rest)
+    for kind in ("weight", "bias"):
+        if family.fused_gate_up and name == layer_name(layer, f"{family.fused_gate_up}.{kind}"):
+            up = (d_ff, 2 * d_ff)
+            return [(layer_name(layer, f"{STEM_GATE}.{kind}"), Copy(name, (0, d_ff), order)),
+                    *([(layer_name(layer, f"{STEM_UP}.{kind}"), Copy(name, up, table))] if dense_first else []),
+                    *([(layer_name(layer, f"{STEM_UP_REST}.{kind}"), Copy(name, up, rest))] if split else [])]
+        if split is None:
+            continue
+        if name == layer_name(layer, f"{family.gate}.{kind}"):
+            return [(name, Copy(name, neurons=order))]
+        if name == layer_name(layer, f"{family.up}.{kind}"):
+            return [*([(layer_name(layer, f"{STEM_UP}.{kind}"), Copy(name, neurons=table))] if dense_first else []),
+                    (layer_name(layer, f"{STEM_UP_REST}.{kind}"), Copy(name, neurons=rest))]
+    if split is not None and name == layer_name(layer, f"{family.down}.weight"):
+        return [(name, Copy(name, neurons=order, axis=1))]
+    return None
 
 
 # Consecutive STEM layers whose tables a conversion stores side by side (`config.stem_table_groups`), at
@@ -468,18 +543,20 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
 
 def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> None:
     init = INITIALISERS[plan.init](plan.init_target, plan.init_options, progress=progress)  # calibrating inits read their data here
+    widths = {layer: plan.config.table_columns(layer) for layer in plan.layers}
     write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, init.table_rows, plan.table_format,
-                  plan.config.intermediate_size, plan.chunk_rows, directory, progress, init.dense_weights)
+                  widths, plan.chunk_rows, directory, progress, init.dense_weights)
     if init.dense_weights:  # what the fit did, for the model card and the benchmarks
         plan.config.stem_fit = fit_record(plan.init_options.fit, init.fit_reports)
 
 
 def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, table_rows, table_format: TableFormat,
-                  d_ff: int, chunk_rows: int, directory: Path, progress: bool, replaced: dict | None = None) -> None:
+                  widths: dict[int, int], chunk_rows: int, directory: Path, progress: bool,
+                  replaced: dict | None = None) -> None:
     """Write `specs` in order into `shards` under `directory`: copies of `tensors` (or the tensor of the same
-    name in `replaced`, a fit's gate and down projections), and tables whose rows (of `d_ff`) `table_rows(layer)`
-    fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`; a group's (`TableGroup`) with the
-    rows of its layers side by side."""
+    name in `replaced`, a fit's gate and down projections), and tables whose rows (of `widths[layer]` columns)
+    `table_rows(layer)` fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`; a group's
+    (`TableGroup`) with the rows of its layers side by side."""
     from tqdm.auto import tqdm
 
     total = sum(s.nbytes for s in specs)
@@ -492,19 +569,18 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
             if isinstance(producer, Table) and (producer.layer, producer.part) in later:
                 writer.submit(spec.name, later.pop((producer.layer, producer.part)))
             elif isinstance(producer, Table):
-                later.update(_write_table(table_rows(producer.layer), spec, producer, table_format, d_ff, chunk_rows,
-                                          writer))
+                later.update(_write_table(table_rows(producer.layer), spec, producer, table_format,
+                                          widths[producer.layer], chunk_rows, writer))
             elif isinstance(producer, TableGroup):  # float rows only: nothing written later
-                fill = side_by_side([table_rows(layer) for layer in producer.layers], d_ff)
-                _write_table(fill, spec, producer, table_format, d_ff * len(producer.layers),
-                             max(1, chunk_rows // len(producer.layers)), writer)
+                group = [widths[layer] for layer in producer.layers]
+                fill = side_by_side([table_rows(layer) for layer in producer.layers], group)
+                _write_table(fill, spec, producer, table_format, sum(group), max(1, chunk_rows // len(group)), writer)
             elif replaced and spec.name in replaced:
                 writer.submit(spec.name, replaced[spec.name].to(spec.dtype))
+            elif isinstance(producer, Constant):
+                writer.submit(spec.name, producer.tensor.to(spec.dtype))
             else:
-                data = tensors.get(producer.source_name)
-                if producer.rows is not None:
-                    data = data[producer.rows[0] : producer.rows[1]]
-                writer.submit(spec.name, data.to(spec.dtype))
+                writer.submit(spec.name, producer.take(tensors.get(producer.source_name)).to(spec.dtype))
         writer.close()
     except BaseException:
         writer.abort()
@@ -513,14 +589,16 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
         bar.close()
 
 
-def side_by_side(fills: list, d_ff: int):
-    """One `fill(start, stop, out)` of a group's rows [rows, len(fills) x d_ff] from its layers' fills, each
-    writing its layer's columns (through a buffer: a fill may compute into `out` as a contiguous matrix)."""
+def side_by_side(fills: list, widths: list[int]):
+    """One `fill(start, stop, out)` of a group's rows [rows, sum(widths)] from its layers' fills, each writing its
+    layer's `widths[i]` columns (through a buffer: a fill may compute into `out` as a contiguous matrix)."""
     def fill(start: int, stop: int, out: torch.Tensor) -> None:
-        rows = torch.empty(stop - start, d_ff, dtype=out.dtype)
-        for i, layer_fill in enumerate(fills):
+        column = 0
+        for width, layer_fill in zip(widths, fills):
+            rows = torch.empty(stop - start, width, dtype=out.dtype)
             layer_fill(start, stop, rows)
-            out[:, i * d_ff : (i + 1) * d_ff].copy_(rows)
+            out[:, column : column + width].copy_(rows)
+            column += width
     return fill
 
 

@@ -41,7 +41,9 @@ LM_HEAD = "lm_head.weight"
 STEM_TABLE_PREFIX = "mlp.up_table"  # a table's tensors: .weight (float rows) or .qweight and .scales (table_format.py)
 STEM_TABLE = STEM_TABLE_PREFIX + ".weight"
 STEM_GATE = "mlp.gate_proj"
-STEM_UP = "mlp.up_proj"  # kept in a STEM layer for the sequences' first tokens (`--first-token dense`)
+STEM_UP = "mlp.up_proj"  # the table columns' up rows, kept for the sequences' first tokens (`--first-token dense`)
+STEM_UP_REST = "mlp.up_rest"  # the up rows of the neurons that are no table columns (`--columns`)
+STEM_NEURON_ORDER = "mlp.neuron_order"  # the parent's index of each of a STEM MLP's neurons (`--columns`)
 
 FAMILIES = (
     Family(("llama", "mistral", "qwen2", "qwen3")),

@@ -19,6 +19,7 @@ class Summary:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
+    table_columns: dict  # STEM only: {layer: its table's columns}, where some layer's table holds some neurons only
     params_total: int
     params_active_per_token: int
     ffn_flops_per_token_dense: int  # every layer dense
@@ -45,6 +46,13 @@ class Summary:
         ]
         if self.is_stem:
             rows.insert(3, ("tables", self.table_format))
+        if self.table_columns:
+            converted = sum(self.table_columns.values())
+            share = converted / (self.intermediate_size * len(self.stem_layers))
+            widths = sorted(set(self.table_columns.values()))
+            each = f"{widths[0]}" if len(widths) == 1 else f"{widths[0]}-{widths[-1]}"
+            rows.insert(4, ("table columns", f"{each} of {self.intermediate_size} neurons a layer ({share:.1%} of the "
+                                             f"STEM layers'; the others keep a dense up-projection, up_rest)"))
         lines = [f"{k:<16} {v}" for k, v in rows]
         if self.placements:
             lines.append("memory by placement (weights as stored, without activations and KV cache; the device is "
@@ -91,11 +99,13 @@ def summarize(source: Source) -> Summary:
     # A table's tensors: float rows, or compressed values and scales; a token reads one row of each.
     tables = [n for n in tensors.names() if is_table_tensor(n)]  # or groups of them (config.stem_table_groups)
     unread += sum(math.prod(tensors.shape(n)) // vocab * (vocab - 1) for n in tables)
-    # A STEM layer's up-projection, where kept (`--first-token dense`), is read for a sequence's first token only.
+    # A STEM layer's up-projection of its table columns, where kept (`--first-token dense`), is read for a sequence's
+    # first token only.
     unread += sum(math.prod(tensors.shape(n)) for i in stem_layers if (n := layer_name(i, STEM_UP + ".weight")) in tensors)
     layers = cfg.num_hidden_layers
+    columns = {i: cfg.table_columns(i) for i in stem_layers}
     dense_flops = 2 * 3 * d * d_ff * layers  # gate, up, down: one multiply-add each per weight
-    flops = dense_flops - 2 * d * d_ff * len(stem_layers)  # the up-projection became a lookup
+    flops = dense_flops - 2 * d * sum(columns.values())  # the table columns' up-projection became a lookup
     table_bytes = sum(tensors.nbytes(n) for n in tables)
     dense_bytes = sum(tensors.nbytes(n) for n in tensors.names()) - table_bytes
     row_bytes = sum(tensors.nbytes(n) // vocab for n in tables)
@@ -107,6 +117,7 @@ def summarize(source: Source) -> Summary:
         vocab_size=vocab,
         hidden_size=d,
         intermediate_size=d_ff,
+        table_columns=columns if any(k < d_ff for k in columns.values()) else {},
         params_total=total,
         params_active_per_token=total - unread + tied_head,
         ffn_flops_per_token_dense=dense_flops,
@@ -126,6 +137,12 @@ def _table_format(config, tensors, tables: list[str]) -> str:
         return "none stored"
     groups = getattr(config, "stem_table_groups", None)
     return str(tensors.dtype(tables[0])).removeprefix("torch.") + (f", {table_layout(groups)}" if groups else "")
+
+
+def describe_widths(config) -> str:
+    """The tables' widths for a line: d_ff for whole layers, else each distinct width (`config.table_columns`)."""
+    widths = sorted({config.table_columns(layer) for layer in config.stem_layers})
+    return "/".join(map(str, widths))
 
 
 def table_layout(groups: list | None) -> str:

@@ -12,7 +12,7 @@
 import torch
 
 from .errors import UserError
-from .families import family_for
+from .families import STEM_NEURON_ORDER, family_for, layer_name
 
 PERCENTILES = (5, 50, 95)
 BINS = 50  # histogram of |cos| over [0, 1], kept for the plot and the JSON
@@ -72,18 +72,33 @@ def table_statistics(tables, sample: int = 2048, seed: int = 0, text_ids: torch.
             "layers": layers}
 
 
+def table_neurons(source, layers) -> dict[int, torch.Tensor]:
+    """Per STEM layer of `layers` whose table holds some of its neurons only (`convert --columns`), the parent's
+    index of each of its table's columns (the first k of its `neuron_order`)."""
+    found = {}
+    for layer in layers:
+        name = layer_name(layer, STEM_NEURON_ORDER)
+        if name in source.tensors:
+            found[layer] = source.tensors.get(name)[: source.config.table_columns(layer)].long()
+    return found
+
+
 @torch.no_grad()
-def dense_up_spread(model, ids: torch.Tensor, layers, sample: int = 2048, seed: int = 0, window: int = 512) -> dict:
+def dense_up_spread(model, ids: torch.Tensor, layers, sample: int = 2048, seed: int = 0, window: int = 512,
+                    columns: dict[int, torch.Tensor] | None = None) -> dict:
     """Per layer of `layers`, the spread of the dense model's up-projection outputs `W_up x` [d_ff] at a
-    seeded sample of the positions of `ids` [n] (read in windows of `window` tokens)."""
+    seeded sample of the positions of `ids` [n] (read in windows of `window` tokens); of a layer in `columns`
+    (`table_neurons`), its table columns' outputs alone, as the table holds them."""
     family = family_for(model.config.model_type)
     d_ff = model.config.intermediate_size
     positions = seeded_sample(len(ids), sample, seed)
     outputs = {layer: [] for layer in layers}
+    columns = columns or {}
 
     def keep(layer):
         def hook(module, args, out):  # [1, seq, d_ff], or [1, seq, 2 d_ff] for a fused gate-up (gate first)
-            outputs[layer].append(out[0, :, -d_ff:].float())
+            up = out[0, :, -d_ff:].float()
+            outputs[layer].append(up[:, columns[layer].to(up.device)] if layer in columns else up)
         return hook
 
     hooks = []

@@ -67,26 +67,53 @@ first_token_up = custom_op("vllm_first_token_up", _first_token_up,
 
 
 def _columns(width: int) -> slice:
-    """This tensor-parallel rank's share of `width` columns (the gate's output columns, which the rows meet)."""
+    """This tensor-parallel rank's share of `width` columns (of a table: its share of the table columns' gate
+    outputs, which the rows meet; `rank_order`)."""
     size = width // get_tensor_model_parallel_world_size()
     rank = get_tensor_model_parallel_rank()
     return slice(rank * size, (rank + 1) * size)
 
 
+def rank_order(d_ff: int, k: int) -> torch.Tensor | None:
+    """The order of a STEM MLP's d_ff neurons (k table columns first, `config.stem_table_columns`) that gives each
+    tensor-parallel rank, as the gate's output columns and the down-projection's input columns are split, its share
+    of the table columns and then its share of the others (`up_rest`'s outputs): each rank holds a share of both,
+    and its up-projection is cat(its table columns' rows, its up_rest outputs). None for whole layers (k = d_ff),
+    and for one rank: the checkpoint's order."""
+    tp = get_tensor_model_parallel_world_size()
+    if k == d_ff or tp == 1:
+        return None
+    if k % tp or (d_ff - k) % tp:
+        raise StemTablesError(f"a STEM layer with {k} table columns of {d_ff} neurons does not split over "
+                              f"{tp} tensor-parallel ranks; serve it with a tensor-parallel size dividing both "
+                              f"{k} and {d_ff - k}")
+    table, rest = torch.arange(k).chunk(tp), torch.arange(k, d_ff).chunk(tp)
+    return torch.cat([part for pair in zip(table, rest) for part in pair])
+
+
+def _reordered(param: nn.Parameter, order: torch.Tensor | None, axis: int) -> None:
+    """Make `param`'s weight loader take the checkpoint's tensor in `order` along `axis` (`rank_order`)."""
+    if order is not None:
+        load = param.weight_loader
+        param.weight_loader = lambda param, loaded, *args: load(param, loaded.index_select(axis, order), *args)
+
+
 class TableColumns(nn.Module):
-    """A table in memory, or the tables of a group of layers side by side: [vocab, layers x d_ff / tp], each
-    layer's share of its own columns (stored [vocab, layers x d_ff]: `mlp.up_table.weight`, or
-    `model.stem_table_groups.K.weight`). Gathered inside the graph.
+    """A table in memory, or the tables of a group of layers side by side: [vocab, sum of k / tp], each layer's
+    share of its own k columns (stored [vocab, sum of k]: `mlp.up_table.weight`, or `model.stem_table_groups.K.weight`;
+    k: `config.table_columns`). Gathered inside the graph.
 
     In vLLM's memory (RAM or VRAM) by default, a parameter its loader fills by name. With `host` (stem_tables
     "host"), in host memory, pinned where an accelerator can read it in place (UVA, as vLLM's Engram reads its
     tables): the graph gathers a batch's rows from there over the bus, with no copy staged around the forward, so
     that CUDA graphs replay it; the tables cost no device memory. On a CPU the host tensor is the table itself."""
 
-    def __init__(self, vocab: int, d_ff: int, layers: int = 1, host: bool = False):
+    def __init__(self, vocab: int, widths: list[int], host: bool = False):
         super().__init__()
-        self.layers, self.host = layers, host
-        width = layers * d_ff // get_tensor_model_parallel_world_size()
+        self.widths, self.host = widths, host  # each layer's table columns, stored
+        tp = get_tensor_model_parallel_world_size()
+        self.starts = [sum(w // tp for w in widths[:i]) for i in range(len(widths) + 1)]  # this rank's, per layer
+        width = self.starts[-1]
         if host:
             on_cpu = current_platform.is_cpu()
             if not on_cpu and not is_uva_available():
@@ -102,12 +129,11 @@ class TableColumns(nn.Module):
     def load(self, param: nn.Parameter | None, stored: torch.Tensor) -> None:
         """This rank's columns of each layer's table in `stored`."""
         target = self.host_rows if self.host else param.data
-        per_layer = stored.view(stored.shape[0], self.layers, -1)  # [vocab, layers, d_ff]
-        target.copy_(per_layer[:, :, _columns(per_layer.shape[2])].reshape(target.shape))
+        per_layer = stored.split(self.widths, 1)  # [vocab, k] each
+        target.copy_(torch.cat([table[:, _columns(table.shape[1])] for table in per_layer], 1))
 
-    def rows(self, ids: torch.Tensor, index: int) -> torch.Tensor:  # [n] -> [n, d_ff / tp]
-        width = self.weight.shape[1] // self.layers
-        return nn.functional.embedding(ids, self.weight[:, index * width : (index + 1) * width])
+    def rows(self, ids: torch.Tensor, index: int) -> torch.Tensor:  # [n] -> [n, k / tp]
+        return nn.functional.embedding(ids, self.weight[:, self.starts[index] : self.starts[index + 1]])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # a table of its own
         return self.rows(ids, 0)
@@ -132,37 +158,47 @@ class PlacedRows(nn.Module):
     def __init__(self, placement, layer: int, dtype: torch.dtype):
         super().__init__()
         self.placement, self.layer, self.dtype = placement, layer, dtype
-        self.d_ff = placement.stored[layer].shape[1]
+        self.columns = placement.stored[layer].shape[1]  # k
         handle(placement, "placement")
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, d_ff / tp]
-        rows = placed_rows(ids, self.placement.stem_handle, self.layer, self.d_ff, self.dtype)
-        return rows[:, _columns(self.d_ff)]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, k / tp]
+        rows = placed_rows(ids, self.placement.stem_handle, self.layer, self.columns, self.dtype)
+        return rows[:, _columns(self.columns)]
 
 
 class StemMLP(nn.Module):
-    """down(act(gate(x)) * rows[ids]), with vLLM's tensor-parallel layers: the gate's output columns and the
-    rows' columns are split alike, the down-projection reduces. With `up_proj`, each sequence's first token
-    keeps the dense up-projection (`StemMLP` of modeling_stem.py says why)."""
+    """down(act(gate(x)) * cat(rows[ids], up_rest(x))), with vLLM's tensor-parallel layers: each rank holds a share
+    of the table columns and of the others (`rank_order`), the gate's output columns and the up-projection's split
+    alike; the down-projection reduces. Whole layers (k = d_ff) have no up_rest. With `up_proj`, each sequence's
+    first token keeps the table columns' dense up-projection (`StemMLP` of modeling_stem.py says why)."""
 
-    def __init__(self, config, rows: nn.Module, batch: BatchIds, quant_config, prefix: str):
+    def __init__(self, config, layer: int, rows: nn.Module, batch: BatchIds, quant_config, prefix: str):
         super().__init__()
         hidden, d_ff, bias = config.hidden_size, config.intermediate_size, config.stem_mlp_bias
+        k = config.table_columns(layer)
+        order = rank_order(d_ff, k)
         self.gate_proj = ColumnParallelLinear(hidden, d_ff, bias=bias, quant_config=quant_config,
                                               prefix=f"{prefix}.gate_proj")
         self.down_proj = RowParallelLinear(d_ff, hidden, bias=bias, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
-        self.up_proj = ColumnParallelLinear(hidden, d_ff, bias=bias, quant_config=quant_config,
+        for param in self.gate_proj.parameters():  # the weight's rows and the bias: this rank's neurons in its order
+            _reordered(param, order, 0)
+        _reordered(self.down_proj.weight, order, 1)  # the weight's columns (the bias is the output's)
+        self.up_proj = ColumnParallelLinear(hidden, k, bias=bias, quant_config=quant_config,
                                             prefix=f"{prefix}.up_proj") if config.stem_dense_first_token else None
+        self.up_rest = ColumnParallelLinear(hidden, d_ff - k, bias=bias, quant_config=quant_config,
+                                            prefix=f"{prefix}.up_rest") if k < d_ff else None
         self.act_fn = get_act_fn(config.stem_activation)
         self.up_table = rows
         self.__dict__["batch"] = batch  # shared by the model's STEM MLPs
         handle(self, "vllm-mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, d]
-        rows = self.up_table(self.batch.ids).to(x.dtype)  # [n, d_ff / tp]
+        rows = self.up_table(self.batch.ids).to(x.dtype)  # [n, k / tp]
         if self.up_proj is not None:
             rows = first_token_up(x, rows, self.batch.positions, self.stem_handle)
+        if self.up_rest is not None:
+            rows = torch.cat([rows, self.up_rest(x)[0]], -1)  # [n, d_ff / tp]: this rank's table columns first
         gate, _ = self.gate_proj(x)
         out, _ = self.down_proj(self.act_fn(gate) * rows)
         return out
@@ -199,25 +235,27 @@ class _StemLayers:
         inner.embed_tokens.register_forward_pre_hook(_hold_ids(batch))
         groups = {}
         if placement is None and config.stem_table_groups:
-            inner.stem_table_groups = nn.ModuleList([TableColumns(config.vocab_size, config.intermediate_size,
-                                                                  len(g), host) for g in config.stem_table_groups])
+            inner.stem_table_groups = nn.ModuleList([
+                TableColumns(config.vocab_size, [config.table_columns(layer) for layer in group], host)
+                for group in config.stem_table_groups])
             groups = {layer: GroupColumns(inner.stem_table_groups[k], i)
                       for k, group in enumerate(config.stem_table_groups) for i, layer in enumerate(group)}
         for index in config.stem_layers:
             if placement is not None:
                 rows = PlacedRows(placement, index, vllm_config.model_config.dtype)
             else:
-                rows = groups.get(index) or TableColumns(config.vocab_size, config.intermediate_size, host=host)
+                rows = groups.get(index) or TableColumns(config.vocab_size, [config.table_columns(index)], host=host)
             layer = inner.layers[index]
-            layer.mlp = StemMLP(config, rows, batch, vllm_config.quant_config,
+            layer.mlp = StemMLP(config, index, rows, batch, vllm_config.quant_config,
                                 maybe_prefix(prefix, f"model.layers.{index}.mlp"))
             layer.register_forward_pre_hook(_hold_positions(batch), with_kwargs=True)
         self.stem_placement = placement
         self._stem_prefixes = tuple(f"model.layers.{i}.mlp." for i in config.stem_layers) + ("model.stem_table_groups.",)
 
     def load_weights(self, weights):
-        # Difference from the dense family: the STEM MLPs' tensors (gate, down, the first token's up, the tables)
-        # load into their own parameters (host tables: into host memory); tables read from the files are not loaded.
+        # Difference from the dense family: the STEM MLPs' tensors (gate, down, the first token's up, up_rest, the
+        # tables) load into their own parameters (host tables: into host memory); tables read from the files are not
+        # loaded, nor is the record of which parent neuron each of an MLP's is (`neuron_order`: weights hold it).
         params = dict(self.named_parameters())
         host = {f"{name}.weight": table for name, table in self.named_modules()
                 if isinstance(table, TableColumns) and table.host}
@@ -233,6 +271,8 @@ class _StemLayers:
                     loaded.add(name)
                 elif name in host:
                     host[name].load(None, tensor)
+                elif name.endswith(".mlp.neuron_order"):
+                    continue
                 elif not (self.stem_placement is not None and is_table_tensor(name)):
                     raise ValueError(f"the checkpoint holds {name}, which this STEM model has no place for: is its "
                                      f"config.json the one written with these weights?")

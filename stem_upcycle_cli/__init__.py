@@ -13,8 +13,8 @@ import sys
 
 import click
 
-from .options import (DEFAULT_LAYER_GROUPS, DEFAULT_LAYERS, DTYPES, FIRST_TOKEN, FIT_DEFAULTS, INITS, MODES,
-                      PLACEMENTS, TABLE_BLOCKS, TABLE_DTYPES)
+from .options import (ALL_COLUMNS, DEFAULT_LAYER_GROUPS, DEFAULT_LAYERS, DTYPES, FIRST_TOKEN, FIT_DEFAULTS, INITS,
+                      MODES, PLACEMENTS, TABLE_BLOCKS, TABLE_DTYPES)
 
 # `compress`'s default: the smallest format within its target on every held-out set (int4: perplexity within 2%
 # of bf16 tables; measured 0.9-1.9% on the recovered SmolLM2, benchmarks/README.md#table_formatspy).
@@ -102,6 +102,12 @@ def main():
 @click.option("--layers", default=DEFAULT_LAYERS, show_default=True,
               help="STEM layers: all, a fraction (1/3: evenly spaced from layer 0), a slice (1::2), a list (0,4,8-11), "
                    "or auto:1/3 (the third whose conversion alone costs least in perplexity and facts, measured with --init calib).")
+@click.option("--columns", default=ALL_COLUMNS, show_default=True,
+              help="Which of each STEM layer's intermediate neurons become table columns (their up-projection a row), "
+                   "the others keeping a dense up-projection: all (whole layers), a share of each layer's (1/3), a "
+                   "count per layer (512), or auto:1/3 (a third of all STEM layers' neurons, spread over the layers). "
+                   "The neurons of least error as table columns, measured with --init calib on calibration windows "
+                   "kept out of the rows.")
 @click.option("--init", "init", type=click.Choice(INITS), default="closed-form", show_default=True,
               help="How the tables are initialised.")
 @click.option("--calib-data", multiple=True, type=click.Path(exists=True, dir_okay=False),
@@ -136,7 +142,7 @@ def main():
 @click.option("--dry-run", is_flag=True, help="Print the plan (layers, table shapes, sizes, RAM) and write nothing.")
 @QUIET
 @_fail_cleanly
-def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, sequential,
+def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, sequential,
             refit_down, local_epochs, device, dtype, table_dtype, table_block, layer_groups, max_shard_size, overwrite,
             dry_run, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
@@ -159,7 +165,7 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
     src = open_source(source)
     fit = FitOptions(sequential=sequential, refit_down=refit_down, epochs=local_epochs)
     options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, fit=fit)
-    reads_text = INITIALISERS[init].needs_data or is_auto(layers) or calib_generate
+    reads_text = INITIALISERS[init].needs_data or is_auto(layers) or columns != ALL_COLUMNS or calib_generate
     if reads_text and not dry_run:  # the dense model, loaded once, where it reads (and writes) text
         options.dense_model = model_from_source(src).to(device)
     if calib_generate and dry_run:  # stands for the text a real run samples: a dry run generates nothing
@@ -169,14 +175,15 @@ def convert(source, out, layers, init, calib_data, calib_tokens, calib_generate,
                                                         progress=not quiet)
     plan = plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
                            init_options=options, progress=not quiet, dry_run=dry_run, first_token=first_token,
-                           table_dtype=table_dtype, block_size=table_block, layer_groups=layer_groups)
+                           table_dtype=table_dtype, block_size=table_block, layer_groups=layer_groups, columns=columns)
     click.echo(plan.describe())
     if dry_run:
         check_output(Path(out), overwrite, plan.source, plan.total_bytes)
         click.echo("dry run: nothing written")
         return
     # The command as run, with every default spelled out, for the model card.
-    words = ["stem-upcycle", "convert", source, out, "--layers", layers, "--init", init, "--first-token", first_token,
+    words = ["stem-upcycle", "convert", source, out, "--layers", layers, "--columns", columns, "--init", init,
+             "--first-token", first_token,
              "--dtype", dtype, "--table-dtype", plan.table_format.dtype, "--max-shard-size", str(max_shard_size)]
     if plan.table_format.compressed:
         words += ["--table-block", str(plan.table_format.block_size)]
@@ -334,7 +341,9 @@ def _table_statistics(source, layer, sample, seed, reference, text_files, text_t
         dense_model, _ = load_model(reference)
         if dense_model.config.model_type == "stem":
             raise click.UsageError(f"--reference {reference} is a STEM model; give the dense parent")
-        dense = table_stats.dense_up_spread(dense_model, text_ids, sorted(stats["layers"]), sample, seed)
+        layers = sorted(stats["layers"])
+        dense = table_stats.dense_up_spread(dense_model, text_ids, layers, sample, seed,
+                                            columns=table_stats.table_neurons(source, layers))
     if plot_path:
         table_stats.plot(stats, dense, plot_path, f"|cos| between rows: {source.spec}")
     if as_json:

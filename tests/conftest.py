@@ -48,8 +48,9 @@ def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):
     return model
 
 
-def tiny_stem(model_type="llama", layers=(0, 2), seed=0, dense_first_token=True, **overrides):
-    """A random STEM model of the family (its tiny_dense parent's config, tables random), in eval mode."""
+def tiny_stem(model_type="llama", layers=(0, 2), seed=0, dense_first_token=True, columns=None, **overrides):
+    """A random STEM model of the family (its tiny_dense parent's config, tables random), in eval mode; `columns`:
+    {layer: k}, the layers whose tables hold k of their neurons (the others keep up_rest)."""
     from stem_upcycle import StemForCausalLM
     from stem_upcycle.convert import stem_config
     from stem_upcycle.families import family_for
@@ -57,6 +58,7 @@ def tiny_stem(model_type="llama", layers=(0, 2), seed=0, dense_first_token=True,
     dense = tiny_dense(model_type, seed=seed, **overrides)
     config = stem_config(dense.config, family_for(model_type), list(layers), "random", torch.float32, False,
                          dense_first_token)
+    config.stem_table_columns = {str(layer): k for layer, k in (columns or {}).items()} or None
     torch.manual_seed(seed)
     return StemForCausalLM(config).eval()
 

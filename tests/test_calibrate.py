@@ -214,18 +214,24 @@ def test_layer_choice_scores_facts_apart_from_those_eval_scores():
 
 
 def test_a_dry_run_with_auto_layers_computes_nothing(dense_with_tokenizer, tmp_path, monkeypatch):
-    import stem_upcycle.convert as convert_module
+    import stem_upcycle.table_init.row_choice as choice_module
 
     _, src = dense_with_tokenizer()
 
     def refuse(*args, **kwargs):
-        raise AssertionError("a dry run measured the layers")
+        raise AssertionError("a dry run measured the layers or the neurons")
 
-    monkeypatch.setattr(convert_module, "select_layers", refuse)
+    monkeypatch.setattr(choice_module, "select_layers", refuse)
+    monkeypatch.setattr(choice_module, "column_costs", refuse)
     result = run_cli("convert", src, tmp_path / "out", "--dry-run", "--layers", "auto:1/3", "--init", "calib",
                      "--calib-data", calib_text(tmp_path))
     assert result.exit_code == 0, result.output
     assert "1 of 3 layers: chosen by the real run (auto:1/3" in result.output and "[96, 48]" in result.output
+    result = run_cli("convert", src, tmp_path / "out", "--dry-run", "--layers", "auto:1/3", "--columns", "auto:1/3",
+                     "--init", "calib", "--calib-data", calib_text(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "16 of 48 in each layer; which neurons, the real run chooses (auto:1/3" in result.output
+    assert "[96, 16]" in result.output
     assert not (tmp_path / "out").exists()
     refused = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dry-run", "--layers", "auto:1/3"])
     assert refused.exit_code == 1 and "use --init calib" in refused.output

@@ -40,13 +40,14 @@ def test_importing_the_package_still_registers_the_stem_classes():
 
 def test_the_help_names_what_the_library_accepts():
     """options.py copies the library's names and defaults (so that help needs no torch): a copy that drifts fails."""
-    from stem_upcycle import convert, editing, layers, source
+    from stem_upcycle import convert, editing, layers, neurons, source
     from stem_upcycle.modeling import stem_tables, table_format
     from stem_upcycle.table_init import INITIALISERS, FitOptions
 
     assert options.FIRST_TOKEN == convert.FIRST_TOKEN
     assert options.DEFAULT_LAYER_GROUPS == convert.DEFAULT_LAYER_GROUPS
     assert options.DEFAULT_LAYERS == layers.DEFAULT_LAYERS
+    assert options.ALL_COLUMNS == neurons.ALL
     assert options.DTYPES == tuple(source.DTYPES)
     assert options.INITS == tuple(sorted(INITIALISERS))
     assert options.FIT_DEFAULTS == {name: getattr(FitOptions(), name) for name in options.FIT_DEFAULTS}

@@ -9,7 +9,9 @@ from stem_upcycle.compress import plan_compression, run_compression
 from stem_upcycle.convert import plan_conversion, run_conversion
 from stem_upcycle.source import open_source
 
-from .conftest import run_without_stem_upcycle, save_tiny_tokenizer, tiny_dense
+from stem_upcycle.table_init import InitOptions
+
+from .conftest import markov_text, run_without_stem_upcycle, save_tiny_tokenizer, tiny_dense
 
 COMPILED = """
 import sys
@@ -101,21 +103,28 @@ print(model.config.stem_table_groups)
 """
 
 
-def _converted(tmp_path, layer_groups: int):
+def _converted(tmp_path, layer_groups: int, columns: str = "all"):
+    """Layers 0 and 2 of a tiny llama converted; with `columns`, a share of their neurons (calibrated rows)."""
     tiny_dense("llama").save_pretrained(tmp_path / "dense")
     save_tiny_tokenizer(tmp_path / "dense")
-    plan = plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init="closed-form",
-                           layer_groups=layer_groups)
+    options = None
+    if columns != "all":  # the neurons are chosen by their error with calibrated rows
+        (tmp_path / "calib.txt").write_text(markov_text(4000, 0))
+        options = InitOptions(calib_data=[str(tmp_path / "calib.txt")], calib_seq_len=32)
+    plan = plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2",
+                           init="closed-form" if options is None else "calib", layer_groups=layer_groups,
+                           columns=columns, init_options=options)
     run_conversion(plan, tmp_path / "stem", progress=False)
     return tmp_path / "stem"
 
 
-@pytest.mark.parametrize("layer_groups", [1, 2])
-def test_a_compiled_model_gives_the_logits_and_tokens_of_the_eager_one(tmp_path, layer_groups):
+@pytest.mark.parametrize("layer_groups,columns", [(1, "all"), (2, "all"), (2, "1/3")])
+def test_a_compiled_model_gives_the_logits_and_tokens_of_the_eager_one(tmp_path, layer_groups, columns):
     """Tables in memory (a parameter each, or side by side in a group: gathered inside the graph) and left in
     the checkpoint's files (mmap: read by an op of the graph); the first tokens' dense up-projection is an op
-    of the graph too, which runs it only on forwards that hold one."""
-    out = run_without_stem_upcycle(COMPILED, _converted(tmp_path, layer_groups), "memory,mmap")
+    of the graph too, which runs it only on forwards that hold one. With a third of each layer's neurons as table
+    columns, the others' dense up-projection (up_rest) joins the rows in the graph."""
+    out = run_without_stem_upcycle(COMPILED, _converted(tmp_path, layer_groups, columns), "memory,mmap")
     groups = "[[0, 2]]" if layer_groups == 2 else "None"
     assert out.splitlines() == ["memory memory ok in the graph without rows_of_layers",
                                 "mmap mmap ok at once with rows_of_layers",

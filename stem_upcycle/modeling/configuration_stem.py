@@ -34,6 +34,11 @@ class StemConfig(PretrainedConfig):
             `model.stem_table_groups.K.weight` [vocab, len(group) x intermediate_size], so that a
             forward reads them in one read, not one per layer (`stem-upcycle convert --layer-groups`, 5 by
             default); "memory" and "host" read each layer's columns. None: each table its own tensor.
+        stem_table_columns: per STEM layer ("layer": k), how many of its intermediate neurons are table columns:
+            their up-projection is a row of its table [vocab, k], while the other intermediate_size - k keep a dense
+            up-projection (`up_rest`). The conversion orders each layer's neurons so that the table's columns come
+            first (`stem-upcycle convert --columns`). None, or a layer not named: every neuron (k =
+            intermediate_size), the whole up-projection is the table.
     """
 
     model_type = "stem"
@@ -53,6 +58,7 @@ class StemConfig(PretrainedConfig):
         stem_cache_rows: int = 2048,
         stem_table_format: dict | None = None,
         stem_table_groups: list | None = None,
+        stem_table_columns: dict | None = None,
         **kwargs,
     ):
         self.dense_model_type = dense_model_type
@@ -65,7 +71,22 @@ class StemConfig(PretrainedConfig):
         self.stem_cache_rows = int(stem_cache_rows)
         self.stem_table_format = stem_table_format
         self.stem_table_groups = [[int(i) for i in group] for group in stem_table_groups] if stem_table_groups else None
+        self.stem_table_columns = ({str(int(layer)): int(k) for layer, k in stem_table_columns.items()}
+                                   if stem_table_columns else None)
         super().__init__(**kwargs)
+
+    def table_columns(self, layer: int) -> int:
+        """Columns of STEM layer `layer`'s table: its intermediate neurons whose up-projection is a row."""
+        return int((self.stem_table_columns or {}).get(str(layer), self.intermediate_size))
+
+    def table_offsets(self) -> dict[int, tuple[int, int]]:
+        """Per STEM layer, (first, stop) of its columns among every STEM layer's columns side by side, in layer
+        order: where a layer's rows lie in what reads every layer's rows at once (`rows_of_layers`)."""
+        offsets, start = {}, 0
+        for layer in self.stem_layers:
+            offsets[layer] = (start, start + self.table_columns(layer))
+            start += self.table_columns(layer)
+        return offsets
 
     def save_pretrained(self, *args, **kwargs):
         # Difference from PretrainedConfig: the load-time choices are saved at their defaults, so that a model

@@ -33,7 +33,7 @@ class ForwardIds:
         self._on = {self.lookup.device: self.lookup}
         self._unique = None
         self.plan = None  # what a placement prepared for this forward (host: slots or staged rows)
-        self.first_ups = None  # a small compiled forward's: layer -> [batch, seq, d_ff] (`first_token_ups`)
+        self.first_ups = None  # a small compiled forward's: layer -> [batch, seq, k] (`first_token_ups`)
 
     def on(self, device: torch.device) -> torch.Tensor:
         """The lookup ids on `device` (a split model's layers sit on several devices)."""
@@ -54,16 +54,16 @@ class ForwardIds:
         return self._unique
 
     def edited(self, rows: torch.Tensor, layer: int | None) -> torch.Tensor:
-        """The rows [batch, seq, d_ff] of the input ids from the rows read at the lookup ids; at the
+        """The rows [batch, seq, k] of the input ids from the rows read at the lookup ids; at the
         edit's positions, in the layers it edits, the weighted sums of its target rows instead."""
         if self.edit is None:
             return rows
         batch, seq = self.ids.shape
-        own, extra = rows[: batch * seq].view(batch, seq, -1), rows[batch * seq :]  # [b, s, d_ff], [m, d_ff]
+        own, extra = rows[: batch * seq].view(batch, seq, -1), rows[batch * seq :]  # [b, s, k], [m, k]
         if not self.edit.edits(layer):
             return own
-        target = extra.view(*self.edit.target_ids.shape, -1)  # [n, k, d_ff]
-        weights = self.edit.weights.to(target.device, target.dtype)[..., None]  # [n, k, 1]
+        target = extra.view(*self.edit.target_ids.shape, -1)  # [n, targets, k]
+        weights = self.edit.weights.to(target.device, target.dtype)[..., None]  # [n, targets, 1]
         own = own.clone()
         own[self.edit.rows.to(own.device), self.edit.positions.to(own.device)] = (target * weights).sum(1)
         return own

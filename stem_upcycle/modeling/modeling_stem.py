@@ -40,7 +40,7 @@ class MemoryTable(nn.Embedding):
     """The `memory` placement of a table: an ordinary parameter (named `up_table.weight`), as training needs."""
 
     def forward(self, forward, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return super().forward(forward.on(self.weight.device)).to(device, dtype)  # [*lookup, d_ff]
+        return super().forward(forward.on(self.weight.device)).to(device, dtype)  # [*lookup, k]
 
 
 class TableGroup(nn.Embedding):
@@ -52,7 +52,7 @@ class TableGroup(nn.Embedding):
     def forward(self, forward, columns: tuple[int, int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         # called, not read: accelerate brings an offloaded module's weight in around its forward
         weight = self.weight[:, columns[0] : columns[1]]
-        return nn.functional.embedding(forward.on(weight.device), weight).to(device, dtype)  # [*lookup, d_ff]
+        return nn.functional.embedding(forward.on(weight.device), weight).to(device, dtype)  # [*lookup, k]
 
 
 class GroupColumns(nn.Module):
@@ -69,7 +69,7 @@ class GroupColumns(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """[vocab, d_ff]: a view of the group's parameter (rows written to it are the group's)."""
+        """[vocab, k]: a view of the group's parameter (rows written to it are the group's)."""
         return self.group.weight[:, self.columns[0] : self.columns[1]]
 
     def extra_repr(self) -> str:
@@ -106,12 +106,12 @@ def _resized_table(table: MemoryTable, embedding: torch.Tensor, old: int, new: i
 
 def _dense_at(up_proj: nn.Module, x: torch.Tensor, rows: torch.Tensor, batch: torch.Tensor,
               position: torch.Tensor) -> torch.Tensor:
-    """`rows` [batch, seq, d_ff] with up_proj(x) [batch, seq, d] at the tokens (batch, position)."""
+    """`rows` [batch, seq, k] with up_proj(x) [batch, seq, d] at the tokens (batch, position)."""
     return rows.index_put((batch, position), up_proj(x[batch, position]).to(rows.dtype))
 
 
 def _dense_first_tokens(x: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, mlp: int) -> torch.Tensor:
-    """`rows` [batch, seq, d_ff] with the dense up-projection of x [batch, seq, d] at the `first` [batch, seq]
+    """`rows` [batch, seq, k] with the dense up-projection of x [batch, seq, d] at the `first` [batch, seq]
     tokens, by the `up_proj` of the StemMLP with handle `mlp` (a Linear, or W_up left in the files: MappedLinear).
     An op of its own in compiled graphs (`dense_first_tokens`): how many first tokens a forward holds is known
     only from the data, which a graph cannot branch on without a host read (and torch.cond, which could, trips
@@ -126,32 +126,34 @@ dense_first_tokens = custom_op("dense_first_tokens", _dense_first_tokens,
                                lambda x, rows, first, mlp: torch.empty_like(rows))
 
 
-def _first_token_ups(ids: torch.Tensor, first: torch.Tensor, model: int, layers: int, d_ff: int,
+def _first_token_ups(ids: torch.Tensor, first: torch.Tensor, model: int, columns: int,
                      dtype: torch.dtype) -> torch.Tensor:
-    """[layers, *ids.shape, d_ff]: at the `first` [batch, seq] tokens, the dense up-projection of every STEM layer
-    (`ups_of_first_token`) of the base model with handle `model`; zeros elsewhere. A small compiled forward's
-    (`ROWS_AT_ONCE`), in place of an op per layer (`dense_first_tokens`): each costs a decode step the op's call
-    and the fusion it breaks, 5% of a token at Llama-3.2-1B's shape (benchmarks/README.md, compiled_decode.py)."""
-    ups = ids.new_zeros((layers, *ids.shape, d_ff), dtype=dtype)
+    """[*ids.shape, columns]: at the `first` [batch, seq] tokens, the dense up-projection of the table columns of
+    every STEM layer side by side (`ups_of_first_token`, `config.table_offsets`) of the base model with handle
+    `model`; zeros elsewhere. A small compiled forward's (`ROWS_AT_ONCE`), in place of an op per layer
+    (`dense_first_tokens`): each costs a decode step the op's call and the fusion it breaks, 5% of a token at
+    Llama-3.2-1B's shape (benchmarks/README.md, compiled_decode.py)."""
+    ups = ids.new_zeros((*ids.shape, columns), dtype=dtype)
     for batch, position in first.nonzero().tolist():
-        ups[:, batch, position] = ups_of_first_token(HANDLES[model], int(ids[batch, position]), dtype)
+        ups[batch, position] = ups_of_first_token(HANDLES[model], int(ids[batch, position]), dtype)
     return ups
 
 
-first_token_ups = custom_op("first_token_ups", _first_token_ups, lambda ids, first, model, layers, d_ff, dtype:
-                            ids.new_empty((layers, *ids.shape, d_ff), dtype=dtype))
+first_token_ups = custom_op("first_token_ups", _first_token_ups, lambda ids, first, model, columns, dtype:
+                            ids.new_empty((*ids.shape, columns), dtype=dtype))
 
 
 def ups_of_first_token(base: nn.Module, token: int, dtype: torch.dtype) -> torch.Tensor:
-    """[STEM layers, d_ff]: what each STEM layer's dense up-projection gives `token` as its sequence's first token.
-    That token attends to itself alone, so its attention output is its own value vector wherever it stands, and
-    every STEM layer gives it the dense up-projection: it depends on its id alone. So it is computed once per id, by
-    a one-token forward, and kept with the parameters' versions, so that weights changed since (training, a load)
-    have it computed again."""
+    """[every STEM layer's table columns]: what each STEM layer's dense up-projection of its table columns gives
+    `token` as its sequence's first token, side by side in layer order (`config.table_offsets`). That token attends
+    to itself alone, so its attention output is its own value vector wherever it stands, and every STEM layer gives
+    it the dense up-projection: it depends on its id alone. So it is computed once per id, by a one-token forward,
+    and kept with the parameters' versions, so that weights changed since (training, a load) have it computed
+    again."""
     versions = tuple(0 if p.is_inference() else p._version for p in base.parameters())
     kept = base.stem_first_token_ups.get((token, dtype))
     if kept is None or kept[0] != versions:
-        ups = {}  # layer -> [1, d_ff]; a layer whose dense up-projection was taken away keeps zeros (never read)
+        ups = {}  # layer -> [1, k]; a layer whose dense up-projection was taken away keeps zeros (never read)
         layers = base.config.stem_layers
         hooks = [up.register_forward_hook(lambda module, args, out, index=index: ups.__setitem__(index, out))
                  for index in layers if (up := base.layers[index].mlp.up_proj) is not None]
@@ -162,9 +164,9 @@ def ups_of_first_token(base: nn.Module, token: int, dtype: torch.dtype) -> torch
         finally:
             for hook in hooks:
                 hook.remove()
-        zeros = torch.zeros(base.config.intermediate_size, dtype=dtype, device=device)
-        kept = base.stem_first_token_ups[token, dtype] = (
-            versions, torch.stack([ups[i][0].to(zeros) if i in ups else zeros for i in layers]))
+        kept = base.stem_first_token_ups[token, dtype] = (versions, torch.cat([
+            ups[i][0].to(device, dtype) if i in ups
+            else torch.zeros(base.config.table_columns(i), dtype=dtype, device=device) for i in layers]))
     return kept[1]
 
 
@@ -174,7 +176,7 @@ class StemMLP(nn.Module):
     The one STEM MLP of inference, training and layer scoring; what differs is `up_table`, the
     source of the rows: a `MemoryTable`, a `PlacedTable` (rows read from the checkpoint files or host memory),
     the trainer's offloaded table, or calibrated rows. Each is called as
-    `up_table(forward_ids, device, dtype) -> [*lookup, d_ff]`, the rows of the forward's lookup ids:
+    `up_table(forward_ids, device, dtype) -> [*lookup, k]`, the rows of the forward's lookup ids:
     its input ids, or those and a run-time edit's target ids (`ForwardIds.edited` puts them in place).
 
     With `up_proj` (`config.stem_dense_first_token`), each sequence's first token keeps the dense
@@ -183,17 +185,26 @@ class StemMLP(nn.Module):
     A row, an average over the contexts a token is seen in, is wrong there and the error reaches the
     whole sequence (SmolLM2-135M, 10 layers converted: 2.96x the parent's perplexity on a novel with
     rows at the first token, 2.21x with the dense up-projection; 2 of 53 facts against 11). It costs
-    one [d_ff, d] matrix per STEM layer and one row of it per sequence, at the prefill only.
+    one [k, d] matrix per STEM layer and one row of it per sequence, at the prefill only.
+
+    With `up_rest` (`config.stem_table_columns`), only the first k of the layer's intermediate neurons are table
+    columns (the conversion ordered them so: an FFN does not depend on the order of its neurons) and the others
+    keep their dense up-projection: up = cat(up_table[ids] [.., k], up_rest(x) [.., d_ff - k]). Gate and down
+    keep their size; the table and `up_proj` hold k columns. A whole-layer STEM MLP is the case k = d_ff.
     """
 
     def __init__(self, gate_proj: nn.Module, down_proj: nn.Module, act_fn, up_table, token_ids: IdHandoff,
-                 layer: int | None = None, up_proj: nn.Module | None = None):
+                 layer: int | None = None, up_proj: nn.Module | None = None, up_rest: nn.Module | None = None,
+                 neuron_order: torch.Tensor | None = None):
         super().__init__()
         self.gate_proj, self.down_proj, self.act_fn = gate_proj, down_proj, act_fn
         self.up_table = up_table
         self.token_ids = token_ids
         self.layer = layer  # the decoder layer's index, which run-time edits name
-        self.up_proj = up_proj  # the dense up-projection, for the sequences' first tokens only (None: rows there too)
+        self.up_proj = up_proj  # the table columns' dense up-projection, for the first tokens only (None: rows there too)
+        self.up_rest = up_rest  # the dense up-projection of the neurons that are no table columns (None: there are none)
+        if neuron_order is not None:  # the parent's index of each intermediate neuron (table columns first): saved
+            self.register_buffer("neuron_order", neuron_order)  # with the weights, for a hand-off from the parent
         handle(self, "mlp")
 
     def __setstate__(self, state):  # a copy (deepcopy, pickle) is an MLP of its own for `dense_first_tokens`
@@ -202,15 +213,24 @@ class StemMLP(nn.Module):
 
     @classmethod
     def from_config(cls, config: StemConfig, up_table, token_ids: IdHandoff, layer: int) -> "StemMLP":
-        bias = config.stem_mlp_bias
-        gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        down = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        up = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias) if config.stem_dense_first_token else None
-        return cls(gate, down, ACT2FN[config.stem_activation], up_table, token_ids, layer, up)
+        bias, d, d_ff, k = config.stem_mlp_bias, config.hidden_size, config.intermediate_size, config.table_columns(layer)
+        gate = nn.Linear(d, d_ff, bias=bias)
+        down = nn.Linear(d_ff, d, bias=bias)
+        up = nn.Linear(d, k, bias=bias) if config.stem_dense_first_token else None
+        rest = nn.Linear(d, d_ff - k, bias=bias) if k < d_ff else None
+        order = torch.arange(d_ff) if k < d_ff else None  # the checkpoint's, as it loads
+        return cls(gate, down, ACT2FN[config.stem_activation], up_table, token_ids, layer, up, rest, order)
 
     def up(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.table_up(x)  # [batch, seq, k]
+        if self.up_rest is None:
+            return rows
+        return torch.cat([rows, self.up_rest(x).to(rows.dtype)], -1)  # [batch, seq, d_ff]: the table's columns first
+
+    def table_up(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, k]: the table columns' up-projection, the rows of the forward's ids."""
         forward = self.token_ids.current(x)
-        rows = forward.edited(self.up_table(forward, x.device, x.dtype), self.layer)  # [batch, seq, d_ff]
+        rows = forward.edited(self.up_table(forward, x.device, x.dtype), self.layer)  # [batch, seq, k]
         # The first tokens' rows give way to their dense up-projection (an edit's too: a first
         # token reads no row, so a persistent edit of the rows could not reach it either).
         if self.up_proj is not None and forward.first_ups is not None:  # compiled, small: every layer's at the start
@@ -267,13 +287,15 @@ def _start_compiled_forward(module, ids: torch.Tensor, kwargs: dict) -> None:
     # token count dynamic), and the up-projections without gradients (the op gives their weights none).
     if not (isinstance(ids.numel(), int) and ids.numel() <= ROWS_AT_ONCE):
         return
-    layers, d_ff = module.config.stem_layers, module.config.intermediate_size
+    offsets = module.stem_table_offsets  # each layer's columns among every layer's, side by side
+    columns = module.stem_table_width
     dtype = module.get_input_embeddings().weight.dtype
-    if placement is not None and all(table.shape[1] == d_ff for table in placement.stored.values()):
-        forward.plan = rows_of_layers(ids, placement.stem_handle, len(placement.stored), d_ff, dtype)
+    if placement is not None and sorted(placement.stored) == sorted(offsets):
+        rows = rows_of_layers(ids, placement.stem_handle, columns, dtype)  # [*ids.shape, columns]
+        forward.plan = {layer: rows[..., start:stop] for layer, (start, stop) in offsets.items()}
     if first is not None and not torch.is_grad_enabled():
-        ups = first_token_ups(ids, first, module.stem_handle, len(layers), d_ff, dtype)
-        forward.first_ups = dict(zip(layers, ups.unbind(0)))
+        ups = first_token_ups(ids, first, module.stem_handle, columns, dtype)  # [*ids.shape, columns]
+        forward.first_ups = {layer: ups[..., start:stop] for layer, (start, stop) in offsets.items()}
 
 
 def _end_forward(module, args, kwargs, output):
@@ -380,20 +402,24 @@ class _StemDispatch:
         base = self.base_model
         base.stem_token_ids = IdHandoff()
         base.stem_first_token_ups = {}  # (token, dtype) -> (parameters' versions, its ups: `ups_of_first_token`)
+        # each STEM layer's columns among every layer's side by side, and their sum (a compiled small forward's
+        # layout of every layer's rows and first-token up-projections: `rows_of_layers`, `first_token_ups`)
+        base.stem_table_offsets = self.config.table_offsets()
+        base.stem_table_width = sum(stop - start for start, stop in base.stem_table_offsets.values())
         handle(base, "model")
         loading = hasattr(_loading, "placement")
         placement = base.stem_tables_placement = _loading.placement if loading else placement_of_config(self.config)
         columns = {}  # layer -> (its group, its columns of the group's rows)
         if placement is None and self.config.stem_table_groups:  # memory: the groups' parameters, named as stored
-            d_ff = self.config.intermediate_size
+            widths = [[self.config.table_columns(layer) for layer in group] for group in self.config.stem_table_groups]
             base.stem_table_groups = nn.ModuleList(
-                [TableGroup(self.config.vocab_size, len(group) * d_ff) for group in self.config.stem_table_groups])
-            columns = {layer: (base.stem_table_groups[k], (i * d_ff, (i + 1) * d_ff))
+                [TableGroup(self.config.vocab_size, sum(group)) for group in widths])
+            columns = {layer: (base.stem_table_groups[k], (sum(widths[k][:i]), sum(widths[k][: i + 1])))
                        for k, group in enumerate(self.config.stem_table_groups) for i, layer in enumerate(group)}
         for index in self.config.stem_layers:
             if placement is None:
                 table = (GroupColumns(*columns[index]) if index in columns
-                         else MemoryTable(self.config.vocab_size, self.config.intermediate_size))
+                         else MemoryTable(self.config.vocab_size, self.config.table_columns(index)))
             else:
                 table = PlacedTable(placement, index)
             base.layers[index].mlp = StemMLP.from_config(self.config, table, base.stem_token_ids, index)

@@ -72,13 +72,13 @@ def handle(obj, kind: str) -> int:
     return number
 
 
-def _placed_rows(ids: torch.Tensor, placement: int, layer: int, d_ff: int, dtype: torch.dtype) -> torch.Tensor:
-    """[*ids.shape, d_ff] rows of `ids` in the table of `layer`, read by the placement with that handle."""
+def _placed_rows(ids: torch.Tensor, placement: int, layer: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """[*ids.shape, columns] rows of `ids` in the table of `layer`, read by the placement with that handle."""
     return HANDLES[placement].placed_rows(layer, ids, dtype)
 
 
 placed_rows = custom_op("placed_rows", _placed_rows,
-                        lambda ids, placement, layer, d_ff, dtype: ids.new_empty((*ids.shape, d_ff), dtype=dtype))
+                        lambda ids, placement, layer, columns, dtype: ids.new_empty((*ids.shape, columns), dtype=dtype))
 
 # A compiled forward of at most this many lookups (a decode step's) reads every STEM layer's rows at its start, in
 # one op (`rows_of_layers`), rather than one op per layer: inside a compiled decode at Llama-3.2-1B's shape a call
@@ -89,13 +89,24 @@ placed_rows = custom_op("placed_rows", _placed_rows,
 ROWS_AT_ONCE = 64
 
 
-def _rows_of_layers(ids: torch.Tensor, placement: int, layers: int, d_ff: int, dtype: torch.dtype) -> torch.Tensor:
-    """[layers, *ids.shape, d_ff]: the rows of `ids` in each table of the placement with that handle, in layer order."""
+def _rows_of_layers(ids: torch.Tensor, placement: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """[*ids.shape, columns]: the rows of `ids` in every table of the placement with that handle, side by side in
+    layer order (`columns`: their widths' sum; `columns_of_layers` says where each lies)."""
     return HANDLES[placement].rows_of_layers(ids, dtype)
 
 
-rows_of_layers = custom_op("rows_of_layers", _rows_of_layers, lambda ids, placement, layers, d_ff, dtype:
-                           ids.new_empty((layers, *ids.shape, d_ff), dtype=dtype))
+rows_of_layers = custom_op("rows_of_layers", _rows_of_layers, lambda ids, placement, columns, dtype:
+                           ids.new_empty((*ids.shape, columns), dtype=dtype))
+
+
+def columns_of_layers(stored: dict) -> dict[int, tuple[int, int]]:
+    """Per layer of `stored` (layer -> StoredTable), (first, stop) of its columns in its tables' rows side by side,
+    in layer order, as `rows_of_layers` gives them (`config.table_offsets` of a placement's every layer)."""
+    offsets, start = {}, 0
+    for layer in sorted(stored):
+        offsets[layer] = (start, start + stored[layer].shape[1])
+        start += stored[layer].shape[1]
+    return offsets
 
 
 class PlacedTable(nn.Module):
@@ -112,12 +123,12 @@ class PlacedTable(nn.Module):
         handle(self.placement, "placement")
 
     def forward(self, forward: ForwardIds, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        if torch.compiler.is_compiling() and isinstance(forward.plan, torch.Tensor):  # every layer's, read at the start
-            return forward.plan[sorted(self.placement.stored).index(self.layer)].to(device, dtype)
+        if torch.compiler.is_compiling() and isinstance(forward.plan, dict):  # every layer's, read at the start
+            return forward.plan[self.layer].to(device, dtype)
         if torch.compiler.is_compiling():  # the reads as one op of the graph (each layer's on its own)
-            d_ff = self.placement.stored[self.layer].shape[1]
-            return placed_rows(forward.ids, self.placement.stem_handle, self.layer, d_ff, dtype).to(device)
-        return self.placement.rows(self.layer, forward, device, dtype)  # [batch, seq, d_ff]
+            k = self.placement.stored[self.layer].shape[1]
+            return placed_rows(forward.ids, self.placement.stem_handle, self.layer, k, dtype).to(device)
+        return self.placement.rows(self.layer, forward, device, dtype)  # [batch, seq, k]
 
     @property
     def weight(self):
@@ -151,7 +162,7 @@ class MappedLinear(nn.Module):
         self.stored, self.stored_bias, self.mappings = weight, bias, mappings
         self.on_device = {}  # (device, dtype) -> [weight, bias] kept on an accelerator
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, d_ff]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, k]
         stored = [self.stored] + ([self.stored_bias] if self.stored_bias is not None else [])
         key = (x.device, x.dtype)
         if key in self.on_device:
@@ -199,21 +210,21 @@ class RowAccess:
     compiles = True  # whether `rows` serves a compiled graph as an op, with no `begin`/`end` around the forward
 
     def read_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """[n, d_ff] rows of `ids` [n] in the table's float dtype (float32 for a compressed table)."""
+        """[n, k] rows of `ids` [n] in the table's float dtype (float32 for a compressed table)."""
         table = self.stored[layer]
         return table.format.decode(self.read_parts(layer, ids), table.float_dtype)
 
     def set_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Rows of `ids` [n] from now on: `rows` [n, d_ff], stored as the table stores rows."""
+        """Rows of `ids` [n] from now on: `rows` [n, k], stored as the table stores rows."""
         self.set_parts(layer, ids, self.stored[layer].format.encode(rows.cpu()))
 
     def rows_of_layers(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[layers, *ids.shape, d_ff]: the rows of `ids` in every table, in layer order (`ROWS_AT_ONCE`)."""
+        """[*ids.shape, columns]: the rows of `ids` in every table side by side, in layer order (`ROWS_AT_ONCE`)."""
         forward = ForwardIds(ids)  # its distinct ids found once for every layer
-        return torch.stack([self.rows(layer, forward, ids.device, dtype) for layer in sorted(self.stored)])
+        return torch.cat([self.rows(layer, forward, ids.device, dtype) for layer in sorted(self.stored)], -1)
 
     def placed_rows(self, layer: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The `placed_rows` op's read: [*ids.shape, d_ff]. A graph whose token count is dynamic (vLLM's) calls the op
+        """The `placed_rows` op's read: [*ids.shape, k]. A graph whose token count is dynamic (vLLM's) calls the op
         layer by layer, so a lookup of at most `ROWS_AT_ONCE` ids reads every layer's rows at the first STEM layer, as
         `rows_of_layers` reads them for a graph of fixed sizes, and the layers after take theirs from what it read
         (this thread's, while their ids are the same). The first layer reads again every forward: rows written
@@ -221,13 +232,14 @@ class RowAccess:
         if ids.numel() > ROWS_AT_ONCE:
             return self.rows(layer, ForwardIds(ids), ids.device, dtype)
         order = sorted(self.stored)
+        start, stop = columns_of_layers(self.stored)[layer]
         held = self._rows_read_at_once.__dict__
         same = (held.get("dtype") == dtype and held["ids"].shape == ids.shape and held["ids"].device == ids.device
                 and torch.equal(held["ids"], ids)) if held else False
         if layer == order[0] or not same:
             held.update(ids=ids.clone(), dtype=dtype, rows=self.rows_of_layers(ids, dtype))
         # a copy: the op's output is the graph's to write over, and the held rows serve the layers after
-        return held["rows"][order.index(layer)].clone()
+        return held["rows"][..., start:stop].clone()
 
     @property
     def _rows_read_at_once(self) -> threading.local:
@@ -383,7 +395,7 @@ class MmapTables(RowAccess):
                 advise_rows(self._fds[where.path], where, rows)
 
     def read_range(self, layer: int, start: int, stop: int) -> torch.Tensor:
-        """[stop - start, d_ff] rows start..stop-1, decoded, in one positioned read per part (nothing is mapped). Of
+        """[stop - start, k] rows start..stop-1, decoded, in one positioned read per part (nothing is mapped). Of
         a table stored in a group, its own columns alone, a read per row: whole-table readers (training's shared
         copy, `compress`, statistics) read a table after another, and reading the group's rows for each of its
         layers read the group as many times as it has layers."""
@@ -430,8 +442,8 @@ class MmapTables(RowAccess):
         unique, inverse = forward.unique()
         plan = forward.plan if isinstance(forward.plan, RowPrefetch) else None
         parts = plan.take(layer) if plan is not None else self.read_parts(layer, unique)
-        rows = self.stored[layer].format.decode(parts, dtype)  # [n_distinct, d_ff]
-        return rows[inverse].to(device, non_blocking=True)  # [batch, seq, d_ff]
+        rows = self.stored[layer].format.decode(parts, dtype)  # [n_distinct, k]
+        return rows[inverse].to(device, non_blocking=True)  # [batch, seq, k]
 
     def rows_of_layers(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`RowAccess.rows_of_layers` with every layer's reads asked of the disk before the first waits (a decode
@@ -449,9 +461,10 @@ class MmapTables(RowAccess):
         layers = sorted(self.stored)
         started = {layer: self._start(layer, unique, pool=None, shared=shared, runs=runs) for layer in layers}
         parts = [self._finish(layer, unique, reads) for layer, reads in started.items()]  # [n_distinct, ...] each
-        together = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}  # decoded in one go, not per layer
-        rows = formats.pop().decode(together, dtype).view(len(layers), unique.numel(), -1)
-        return rows[:, inverse].to(ids.device)  # [layers, *ids.shape, d_ff]
+        # decoded in one go, not per layer: side by side, each table's columns whole blocks of the format's scales
+        together = {name: torch.cat([p[name] for p in parts], 1) for name in parts[0]}
+        rows = formats.pop().decode(together, dtype)  # [n_distinct, columns]
+        return rows[inverse].to(ids.device)  # [*ids.shape, columns]
 
     def end(self, forward: ForwardIds) -> None:
         self._cancel()
@@ -542,7 +555,7 @@ class HeldTables(RowAccess):
         parts = self.tables[layer]
         ids = forward.on(next(iter(parts.values())).device)  # [*lookup]
         rows = self.stored[layer].format.decode({name: part[ids.flatten()] for name, part in parts.items()}, dtype)
-        return rows.view(*ids.shape, -1).to(device, non_blocking=True)  # [*lookup, d_ff]
+        return rows.view(*ids.shape, -1).to(device, non_blocking=True)  # [*lookup, k]
 
     def end(self, forward: ForwardIds) -> None:
         pass
@@ -720,7 +733,7 @@ class HostTables(RowAccess):
         index = plan["index"][home]  # [batch, seq]
         rows = self.stored[layer].format.decode({name: part[index.flatten()] for name, part in bank.items()}, dtype)
         # `device` differs from the bank's only for a layer offloaded by accelerate (weights kept on the CPU)
-        return rows.view(*index.shape, -1).to(device, non_blocking=True)  # [batch, seq, d_ff]
+        return rows.view(*index.shape, -1).to(device, non_blocking=True)  # [batch, seq, k]
 
     def end(self, forward: ForwardIds) -> None:
         with self._lock:
@@ -790,10 +803,10 @@ def open_tables(path, config, hub_kwargs: dict):
     tables = locate_stem_tables(files, config, config.stem_layers, headers)
     placement = open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
     if isinstance(placement, MmapTables) and config.stem_dense_first_token:
-        shape = (config.intermediate_size, config.hidden_size)
+        shapes = {layer: (config.table_columns(layer), config.hidden_size) for layer in config.stem_layers}
         placement.leave_first_token_up({
-            layer: (locate_tensor(files, f".layers.{layer}.mlp.up_proj.weight", shape, headers),
-                    locate_tensor(files, f".layers.{layer}.mlp.up_proj.bias", shape[:1], headers)
+            layer: (locate_tensor(files, f".layers.{layer}.mlp.up_proj.weight", shapes[layer], headers),
+                    locate_tensor(files, f".layers.{layer}.mlp.up_proj.bias", shapes[layer][:1], headers)
                     if config.stem_mlp_bias else None)
             for layer in config.stem_layers})
     return placement
@@ -802,17 +815,17 @@ def open_tables(path, config, hub_kwargs: dict):
 def locate_stem_tables(files: dict[str, str], config, layers, headers: dict | None = None) -> dict[int, StoredTable]:
     """Per STEM layer of `layers`, where its table lies in the checkpoint's files (`files`: tensor name ->
     file), each its own tensor or a share of its group's (`config.stem_table_groups`)."""
-    shape = (config.vocab_size, config.intermediate_size)
+    shapes = {layer: (config.vocab_size, config.table_columns(layer)) for layer in config.stem_layers}
     groups = getattr(config, "stem_table_groups", None)
     if not groups:
-        return locate_tables(files, table_names(files, layers), shape, TableFormat.from_config(config), headers)
+        return locate_tables(files, table_names(files, layers), shapes, TableFormat.from_config(config), headers)
     if sorted(layer for group in groups for layer in group) != sorted(config.stem_layers):
         raise StemTablesError(f"config.stem_table_groups {groups} does not hold each STEM layer "
                               f"({config.stem_layers}) once; the checkpoint is inconsistent: export it again")
     if TableFormat.from_config(config) is not None:
         raise StemTablesError("config.stem_table_groups stores float tables, and config.stem_table_format names "
                               "compressed ones; the checkpoint is inconsistent: export it again")
-    located = locate_table_groups(files, groups, shape, headers)
+    located = locate_table_groups(files, groups, shapes, headers)
     return {layer: located[layer] for layer in layers}
 
 

@@ -67,7 +67,7 @@ class StoredTable:
 
     format: TableFormat
     parts: dict  # part name -> TableFile
-    shape: tuple[int, int]  # [vocab, d_ff] of the decoded table
+    shape: tuple[int, int]  # [vocab, k] of the decoded table (k: the layer's table columns)
     columns: tuple[int, int] | None = None  # (first, stop) of the stored row's columns that are this table's
 
     @property
@@ -121,16 +121,16 @@ def read_header(path: str) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape: tuple[int, int],
+def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shapes: dict[int, tuple[int, int]],
                   table_format: TableFormat | None = None, headers: dict | None = None) -> dict[int, StoredTable]:
-    """Per STEM layer, its table's parts (files and byte ranges), checked against `shape`, the format
-    (`table_format`; None: float rows, as the files say) and the files' sizes (`read_header`: a mapped
-    read past the end of a file is a SIGBUS, never an error message). `headers`: file -> `read_header`
-    of it, filled as files are read (one dict for several calls reads each file's header once)."""
+    """Per STEM layer, its table's parts (files and byte ranges), checked against its shape in `shapes` ([vocab,
+    its columns]), the format (`table_format`; None: float rows, as the files say) and the files' sizes
+    (`read_header`: a mapped read past the end of a file is a SIGBUS, never an error message). `headers`: file ->
+    `read_header` of it, filled as files are read (one dict for several calls reads each file's header once)."""
     headers = {} if headers is None else headers
     located = {}
-    vocab, d_ff = shape
     for layer, prefix in names.items():
+        vocab, d_ff = shapes[layer]
         found = table_format or TableFormat("float32")  # a float table's dtype is the file's
         parts = {}
         for part, (per_row, dtype) in found.parts(d_ff).items():
@@ -162,12 +162,11 @@ def locate_tables(checkpoint_files: dict[str, str], names: dict[int, str], shape
     return located
 
 
-def locate_table_groups(checkpoint_files: dict[str, str], groups: list[list[int]], shape: tuple[int, int],
+def locate_table_groups(checkpoint_files: dict[str, str], groups: list[list[int]], shapes: dict[int, tuple[int, int]],
                         headers: dict | None = None) -> dict[int, StoredTable]:
     """Per STEM layer, its table as `columns` of its group's tensor (`model.stem_table_groups.K.weight`
-    [vocab, len(group) x d_ff], float rows; `groups`: `config.stem_table_groups`), checked as
-    `locate_tables` checks a table."""
-    vocab, d_ff = shape
+    [vocab, its layers' columns side by side], float rows; `groups`: `config.stem_table_groups`; `shapes`: each
+    layer's table's [vocab, columns]), checked as `locate_tables` checks a table."""
     located = {}
     for k, group in enumerate(groups):
         suffix = f"{TABLE_GROUP_PREFIX}.{k}.weight"
@@ -175,11 +174,14 @@ def locate_table_groups(checkpoint_files: dict[str, str], groups: list[list[int]
         if name not in checkpoint_files:
             raise StemTablesError(f"the checkpoint has no tensor {name}, where config.stem_table_groups stores the "
                                   f"tables of layers {group}; the checkpoint is incomplete: export it again")
-        width = len(group) * d_ff
-        group_table = locate_tables(checkpoint_files, {k: name.removesuffix(".weight")}, (vocab, width), None,
+        vocab, start = shapes[group[0]][0], 0
+        width = sum(shapes[layer][1] for layer in group)
+        group_table = locate_tables(checkpoint_files, {k: name.removesuffix(".weight")}, {k: (vocab, width)}, None,
                                     headers)[k]
-        for i, layer in enumerate(group):
-            located[layer] = StoredTable(group_table.format, group_table.parts, shape, (i * d_ff, (i + 1) * d_ff))
+        for layer in group:
+            stop = start + shapes[layer][1]
+            located[layer] = StoredTable(group_table.format, group_table.parts, shapes[layer], (start, stop))
+            start = stop
     return located
 
 

@@ -66,7 +66,9 @@ class TableFormat:
         spec = getattr(config, "stem_table_format", None)
         if not spec:
             return None
-        return cls.of(spec["dtype"], spec.get("block_size"), config.intermediate_size)
+        for width in {config.table_columns(layer) for layer in config.stem_layers}:  # each table's rows, checked
+            cls.of(spec["dtype"], spec.get("block_size"), width)
+        return cls.of(spec["dtype"], spec.get("block_size"))
 
     def to_config(self) -> dict | None:
         return {"dtype": self.dtype, "block_size": self.block_size} if self.compressed else None

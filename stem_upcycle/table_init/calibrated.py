@@ -25,9 +25,8 @@ from transformers.activations import ACT2FN
 from ..errors import UserError
 from ..evaluate import read_token_ids
 from ..loading import load_tokenizer, model_from_source
-from ..families import layer_name
 from ..modeling.modeling_stem import fit_ridge
-from .closed_form import ClosedFormInit, mlp_projections
+from .closed_form import ClosedFormInit, stem_projections
 from .layer_fit import LayerFitter, fitted_weights
 from .protocol import InitOptions, InitTarget, RowsFn
 
@@ -105,7 +104,7 @@ class CalibratedInit(ClosedFormInit):
         self.dense_weights, self.fit_reports = {}, {}
         reused = options.calibration  # computed already, for every layer, by --layers auto (or by every process)
         if (isinstance(reused, CalibratedInit) and reused.gate_weighted == self.gate_weighted
-                and reused.fit == self.fit):
+                and reused.fit == self.fit and reused.columns == self.columns):
             self.seen, self.means, self.projections = reused.seen, reused.means, reused.projections
             self.dense_weights, self.fit_reports = reused.dense_weights, reused.fit_reports
             return
@@ -125,7 +124,7 @@ class CalibratedInit(ClosedFormInit):
         if self.fit.active:  # layer after layer (layer_fit.py): rows, and the gate and down projections
             self.means = self._fit(target, shard, model)
         else:
-            self.means = self._calibrate(target, shard, self.windows, model)  # layer -> [n_seen, d_ff]
+            self.means = self._calibrate(target, shard, self.windows, model)  # layer -> [n_seen, k]
         self.projections = {layer: self._fit_projection(layer) for layer in target.layers}
         vocab = target.config.vocab_size
         rank, world, _ = shard
@@ -145,7 +144,7 @@ class CalibratedInit(ClosedFormInit):
                   + " (held-out tokens)", file=sys.stderr)
 
     def _fit(self, target: InitTarget, shard, model) -> dict[int, torch.Tensor]:
-        """Every STEM layer fitted in turn (layer_fit.LayerFitter): {layer: rows [n_seen, d_ff]}; the fitted gate
+        """Every STEM layer fitted in turn (layer_fit.LayerFitter): {layer: rows [n_seen, k]}; the fitted gate
         and down projections go to `dense_weights`, each layer's errors to `fit_reports`."""
         rank, world, reduce = shard
         compact = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=model.device)
@@ -156,8 +155,8 @@ class CalibratedInit(ClosedFormInit):
 
         def calibrate(layer: int, inputs: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
             weights = projections[layer] = self._dense_mlp(layer, model.device)
-            d_ff = weights["up"].shape[0]
-            num = torch.zeros(self.seen.numel(), d_ff, device=model.device)
+            k = weights["up"].shape[0]  # the table's columns
+            num = torch.zeros(self.seen.numel(), k, device=model.device)
             den = torch.zeros_like(num)
             for x, ids in zip(inputs.split(CALIB_WINDOWS), windows.split(CALIB_WINDOWS)):
                 self._accumulate(num, den, x[:, skip:], compact[ids[:, skip:]], weights, activation)
@@ -174,17 +173,15 @@ class CalibratedInit(ClosedFormInit):
         return {layer: mlp.up_table.rows.weight.detach().cpu() for layer, mlp in mlps.items()}
 
     def _dense_mlp(self, layer: int, device) -> dict[str, torch.Tensor | None]:
-        """The parent's MLP weights of `layer` in fp32 on `device`: gate, up (and biases) and down."""
-        weights = mlp_projections(self.source.tensors, self.family, layer)
-        down = layer_name(layer, self.family.down)
-        weights["down"] = self.source.tensors.get(down + ".weight")
-        weights["down_bias"] = self.source.tensors.get(down + ".bias") if down + ".bias" in self.source.tensors else None
+        """The parent's MLP weights of `layer` in fp32 on `device`, in the STEM MLP's order (`stem_projections`):
+        gate, up of the table columns, up_rest (and biases) and down."""
+        weights = stem_projections(self.source.tensors, self.family, layer, self.columns.get(layer), down=True)
         return {k: None if v is None else v.to(device, torch.float32) for k, v in weights.items()}
 
     def _calibrate(self, target: InitTarget, shard, windows: torch.Tensor, model) -> dict[int, torch.Tensor]:
         compact = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
         compact[self.seen] = torch.arange(self.seen.numel())
-        d_ff = target.config.intermediate_size
+        d_ff = target.config.intermediate_size  # the widest table's columns
         per_layer = self.seen.numel() * d_ff * 4 * 2
         group = max(1, CALIB_MEMORY_BYTES // per_layer)
         activation = ACT2FN[target.config.stem_activation]
@@ -196,13 +193,13 @@ class CalibratedInit(ClosedFormInit):
         means = {}
         for first in range(0, len(target.layers), group):
             layers = target.layers[first : first + group]
-            sums = {layer: (torch.zeros(self.seen.numel(), d_ff, device=device),
-                            torch.zeros(self.seen.numel(), d_ff, device=device)) for layer in layers}
+            sums = {layer: (torch.zeros(self.seen.numel(), self._width(layer, d_ff), device=device),
+                            torch.zeros(self.seen.numel(), self._width(layer, d_ff), device=device)) for layer in layers}
             current = {}
             hooks = []
             for layer in layers:
-                weights = {k: (None if v is None else v.to(device, torch.float32))
-                           for k, v in mlp_projections(self.source.tensors, self.family, layer).items()}
+                weights = {k: (None if v is None else v.to(device, torch.float32)) for k, v in
+                           stem_projections(self.source.tensors, self.family, layer, self.columns.get(layer)).items()}
                 mlp = model.base_model.layers[layer].mlp
                 hooks.append(mlp.register_forward_pre_hook(self._accumulator(
                     sums[layer], weights, activation, current, skip, stop=layer == layers[-1])))
@@ -237,15 +234,21 @@ class CalibratedInit(ClosedFormInit):
 
         return hook
 
+    def _width(self, layer: int, d_ff: int) -> int:
+        """The columns of `layer`'s table: the neurons of its split, or every one."""
+        return self.columns[layer].columns if layer in self.columns else d_ff
+
     @in_fp32
     def _accumulate(self, num, den, x, index, weights, activation) -> None:
         """Add the MLP inputs x [..., d] at rows `index` [...] of the sums: num += w * W_up x, den += w (w: the
-        squared gate, or 1)."""
+        squared gate, or 1), over the table's columns (the first k of the STEM MLP's order)."""
         x = x.reshape(-1, x.shape[-1]).float()  # [tokens, d]
         index = index.reshape(-1)
-        up = torch.nn.functional.linear(x, weights["up"], weights["up_bias"])  # [tokens, d_ff]
+        up = torch.nn.functional.linear(x, weights["up"], weights["up_bias"])  # [tokens, k]
         if self.gate_weighted:
-            w = activation(torch.nn.functional.linear(x, weights["gate"], weights["gate_bias"])).square()
+            k = up.shape[-1]
+            bias = None if weights["gate_bias"] is None else weights["gate_bias"][:k]
+            w = activation(torch.nn.functional.linear(x, weights["gate"][:k], bias)).square()
         else:
             w = torch.ones_like(up)
         num.index_add_(0, index, w * up)
@@ -268,7 +271,7 @@ class CalibratedInit(ClosedFormInit):
 
     @in_fp32
     def rows_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """[len(ids), d_ff] table rows of `ids` (sorted, distinct), as `table_rows` would write them."""
+        """[len(ids), k] table rows of `ids` (sorted, distinct), as `table_rows` would write them."""
         projection, means = self.projections[layer], self.means[layer]
         out = torch.addmm(projection[-1], self.mlp_inputs(layer, self.embedding[ids]), projection[:-1])
         where = torch.searchsorted(self.seen, ids).clamp_max(self.seen.numel() - 1)

@@ -5,6 +5,7 @@ from typing import Mapping
 import torch
 
 from ..families import EMBEDDING, Family, embed_multiplier, layer_name
+from ..neurons import NeuronSplit, split_projections
 from ..source import TensorStore
 from .protocol import InitOptions, InitTarget, RowsFn
 
@@ -30,6 +31,18 @@ def mlp_projections(tensors: TensorStore | Mapping[str, torch.Tensor], family: F
     }
 
 
+def stem_projections(tensors: TensorStore | Mapping[str, torch.Tensor], family: Family, layer: int,
+                     split: NeuronSplit | None, down: bool = False) -> dict[str, torch.Tensor | None]:
+    """The layer's MLP weights in the STEM MLP's order (`split_projections`): gate, "up" of the table columns,
+    "up_rest" of the others, biases; with `down`, the down-projection (and bias) too."""
+    weights = mlp_projections(tensors, family, layer)
+    if down:
+        name = layer_name(layer, family.down)
+        weights["down"] = tensors.get(name + ".weight")
+        weights["down_bias"] = tensors.get(name + ".bias") if name + ".bias" in tensors else None
+    return split_projections(weights, split)
+
+
 class ClosedFormInit:
     """U_l[v] = W_up_l · norm_l(scale · E[v]): the up-projection of what layer l's MLP would see at
     token v if attention had added nothing to the residual stream. Data-free, exact for layer 0 of
@@ -47,6 +60,7 @@ class ClosedFormInit:
         self.scale = embed_multiplier(self.family, self.source.config)
         self.eps = float(getattr(self.source.config, "rms_norm_eps", 1e-6))
         self.dense_weights = {}  # the parent's dense tensors are written as they are
+        self.columns = target.columns  # layer -> NeuronSplit: its table's columns are those neurons
 
     def mlp_inputs(self, layer: int, embeddings: torch.Tensor) -> torch.Tensor:
         """norm_l(scale * E[v]) in fp32 for rows E[v]: layer l's MLP input if attention added nothing."""
@@ -57,12 +71,12 @@ class ClosedFormInit:
         return x
 
     def table_rows(self, layer: int) -> RowsFn:
-        weights = mlp_projections(self.source.tensors, self.family, layer)
-        up_t = weights["up"].float().t().contiguous()  # [d, d_ff]
+        weights = stem_projections(self.source.tensors, self.family, layer, self.columns.get(layer))
+        up_t = weights["up"].float().t().contiguous()  # [d, k]: the table columns' up-projection
         bias = None if weights["up_bias"] is None else weights["up_bias"].float()
 
         def fill(start: int, stop: int, out: torch.Tensor) -> None:
-            torch.mm(self.mlp_inputs(layer, self.embedding[start:stop]), up_t, out=out)  # [rows, d_ff], fp32
+            torch.mm(self.mlp_inputs(layer, self.embedding[start:stop]), up_t, out=out)  # [rows, k], fp32
             if bias is not None:
                 out += bias
 

@@ -10,8 +10,9 @@ and at each layer:
    layer is fitted to the inputs it will see, not to ones its predecessors no longer produce;
 2. refits W_down by ridge least squares so that the STEM MLP's output matches the parent MLP's output on
    the same inputs (`refit_down`: the ridge, towards the parent's W_down): one [d_ff, d_ff] solve;
-3. trains rows, gate and down on the squared error to the parent MLP's output (`epochs` passes over the
-   windows; the local stage of LoLCATs and LLM-Streamline): one MLP forward and backward per token.
+3. trains rows, gate and down (and up_rest, where a layer keeps some neurons dense: `--columns`) on the squared
+   error to the parent MLP's output (`epochs` passes over the windows; the local stage of LoLCATs and
+   LLM-Streamline): one MLP forward and backward per token.
 
 Then the stream moves on through the fitted layer. The windows' first positions keep the dense
 up-projection (`stem_dense_first_token`) and are fitted with it. Several processes share the windows
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..families import STEM_GATE, Family, layer_name
+from ..families import STEM_GATE, STEM_UP_REST, Family, layer_name
 from ..modeling.forward_ids import IdHandoff
 from ..modeling.modeling_stem import StemMLP
 from .protocol import FitOptions
@@ -42,7 +43,7 @@ class _Captured(Exception):
 
 
 class FittedRows(nn.Module):
-    """A STEM MLP's row source while it is fitted: trainable rows [n, d_ff] of the sorted ids `ids`."""
+    """A STEM MLP's row source while it is fitted: trainable rows [n, k] of the sorted ids `ids`."""
 
     def __init__(self, ids: torch.Tensor, rows: torch.Tensor):
         super().__init__()
@@ -51,7 +52,7 @@ class FittedRows(nn.Module):
 
     def forward(self, forward, device, dtype) -> torch.Tensor:
         index = torch.searchsorted(self.ids, forward.ids.to(self.ids.device).contiguous()).clamp_max(len(self.ids) - 1)
-        return self.rows(index).to(device, dtype)  # [batch, seq, d_ff]
+        return self.rows(index).to(device, dtype)  # [batch, seq, k]
 
 
 @dataclass
@@ -78,9 +79,9 @@ def fp32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 class LayerFitter:
     """Fits `layers` of the dense `model` one after another on `windows` [n, seq] (this process's share of them).
 
-    `calibrate(layer, inputs, windows) -> rows [len(seen), d_ff]` gives a layer's calibrated rows from its MLP
-    inputs [n, seq, d]; `dense(layer) -> {"gate", "gate_bias", "up", "up_bias", "down", "down_bias"}` its parent's
-    MLP weights; `reduce` sums a tensor across processes (None: one process)."""
+    `calibrate(layer, inputs, windows) -> rows [len(seen), k]` gives a layer's calibrated rows from its MLP
+    inputs [n, seq, d]; `dense(layer) -> {"gate", "up", "up_rest", "down"}` (and their "..._bias") its parent's MLP
+    weights in the STEM MLP's order (`stem_projections`); `reduce` sums a tensor across processes (None: one)."""
 
     def __init__(self, model, family: Family, config, windows: torch.Tensor, seen: torch.Tensor, options: FitOptions,
                  activation, dense, reduce=None, steps_per_epoch: int | None = None, progress: bool = False):
@@ -205,12 +206,14 @@ class LayerFitter:
 
     # -- one layer -----------------------------------------------------------------------------
     def stem_mlp(self, layer: int, rows: torch.Tensor) -> StemMLP:
-        """`layer`'s STEM MLP to fit: trainable fp32 copies of the parent's gate and down, the calibrated rows,
-        and the parent's W_up (frozen) for the windows' first positions."""
+        """`layer`'s STEM MLP to fit: trainable fp32 copies of the parent's gate, down and up_rest (the up-projection
+        of the neurons that are no table columns), the calibrated rows, and the parent's W_up of the table columns
+        (frozen) for the windows' first positions; in the STEM MLP's order of the neurons (`dense`'s)."""
         w = self.dense(layer)
         up = fp32_linear(w["up"], w["up_bias"]).requires_grad_(False) if self.config.stem_dense_first_token else None
+        rest = fp32_linear(w["up_rest"], w["up_rest_bias"]) if w.get("up_rest") is not None else None
         return StemMLP(fp32_linear(w["gate"], w["gate_bias"]), fp32_linear(w["down"], w["down_bias"]), self.activation,
-                       FittedRows(self.seen, rows.to(self.device)), self.token_ids, layer, up)
+                       FittedRows(self.seen, rows.to(self.device)), self.token_ids, layer, up, rest)
 
     @torch.no_grad()
     def targets(self, layer: int, inputs: torch.Tensor) -> torch.Tensor:
@@ -253,10 +256,10 @@ class LayerFitter:
             down.bias.copy_(solved[-1])
 
     def train(self, mlp: StemMLP, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """`epochs` passes of Adam (gate, down) and sparse Adam (rows), cosine-decayed from their peaks, on the
-        squared error to `targets` relative to their mean square."""
+        """`epochs` passes of Adam (gate, down, up_rest) and sparse Adam (rows), cosine-decayed from their peaks, on
+        the squared error to `targets` relative to their mean square."""
         o = self.options
-        dense = [p for m in (mlp.gate_proj, mlp.down_proj) for p in m.parameters()]
+        dense = [p for m in (mlp.gate_proj, mlp.down_proj, mlp.up_rest) if m is not None for p in m.parameters()]
         optimizers = [(torch.optim.Adam(dense, lr=o.lr), o.lr),
                       (torch.optim.SparseAdam(list(mlp.up_table.parameters()), lr=o.row_lr), o.row_lr)]
         scale = targets.pow(2).mean()
@@ -288,7 +291,7 @@ class LayerFitter:
         for p in dense:
             p.grad = self.reduce(p.grad) / world
         rows = mlp.up_table.rows.weight
-        # sparse gradients do not all-reduce: the dense [n, d_ff] sum, zero outside every process's batch rows
+        # sparse gradients do not all-reduce: the dense [n, k] sum, zero outside every process's batch rows
         rows.grad = (self.reduce(rows.grad.to_dense()) / world).to_sparse()
 
     @torch.no_grad()
@@ -309,10 +312,11 @@ def describe(report: LayerReport) -> str:
 
 
 def fitted_weights(mlps: dict[int, StemMLP], family: Family) -> dict[str, torch.Tensor]:
-    """{output tensor name: fp32 tensor on the CPU} of the fitted layers' gate and down projections."""
+    """{output tensor name: fp32 tensor on the CPU} of the fitted layers' gate, down and up_rest projections."""
     weights = {}
     for layer, mlp in mlps.items():
-        for module, prefix in ((mlp.gate_proj, STEM_GATE), (mlp.down_proj, family.down)):
+        parts = [(mlp.gate_proj, STEM_GATE), (mlp.down_proj, family.down), (mlp.up_rest, STEM_UP_REST)]
+        for module, prefix in [(m, prefix) for m, prefix in parts if m is not None]:
             for kind, tensor in (("weight", module.weight), ("bias", module.bias)):
                 if tensor is not None:
                     name = layer_name(layer, f"{prefix}.{kind}")

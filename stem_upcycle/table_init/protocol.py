@@ -14,18 +14,20 @@ import torch
 from ..families import Family
 from ..source import Source
 
-RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [stop - start, d_ff])
+RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [stop - start, the table's columns])
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # an all-reduce (sum) across processes
 
 
 @dataclass(frozen=True)
 class InitTarget:
-    """The tables to fill: the dense checkpoint, its family, the STEM model's config, the STEM layers."""
+    """The tables to fill: the dense checkpoint, its family, the STEM model's config, the STEM layers, and per layer
+    whose table holds some of its neurons only, their split (`NeuronSplit`: the table's columns are those neurons)."""
 
     source: Source
     family: Family
     config: Any  # StemConfig (stem_activation, stem_dense_first_token, vocab and d_ff)
     layers: list[int]
+    columns: dict = field(default_factory=dict)  # layer -> NeuronSplit; a layer not in it: every neuron
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,6 @@ class TableInit(Protocol):
 
     def table_rows(self, layer: int) -> RowsFn: ...
 
-    # Dense tensors of the STEM checkpoint that the init computed in place of the parent's (a fit's gate and down
-    # projections), by output name; empty for most inits.
+    # Dense tensors of the STEM checkpoint that the init computed in place of the parent's (a fit's gate, down and
+    # up_rest projections), by output name; empty for most inits.
     dense_weights: dict[str, torch.Tensor]

@@ -28,19 +28,19 @@ ROWS_PER_WRITE = 4096  # rows of a group of tables joined at once
 
 
 def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: dict, tokens_seen: int) -> Path:
-    """Write the trained model into `out`, laid out as the converted `init_dir`; `tables`: {layer: [vocab, d_ff]},
+    """Write the trained model into `out`, laid out as the converted `init_dir`; `tables`: {layer: [vocab, k]},
     `state`: the dense weights by name.
 
     Floating-point tensors are written in `model.export_dtype` (auto: the source checkpoint's dtype, so
     that a bf16 model does not come back in the fp32 its training copy was converted to)."""
     init = open_source(str(init_dir))
     dtype = resolve_dtype(recipe.model.export_dtype, source)
-    d_ff = init.config.intermediate_size
     groups = {table_group_name(k): group for k, group in enumerate(getattr(init.config, "stem_table_groups", None) or [])}
     # the tables of a group side by side, as `convert` stores them, a few rows at a time: joined whole, a group of
     # Llama-3.2-1B tables would take 21 GB at once
-    group_rows = {name: side_by_side([partial(_copy_rows, tables[i]) for i in group], d_ff) for name, group in groups.items()}
-    shapes = {name: (tables[group[0]].shape[0], len(group) * d_ff) for name, group in groups.items()}
+    group_rows = {name: side_by_side([partial(_copy_rows, tables[i]) for i in group],
+                                     [tables[i].shape[1] for i in group]) for name, group in groups.items()}
+    shapes = {name: (tables[group[0]].shape[0], sum(tables[i].shape[1] for i in group)) for name, group in groups.items()}
     tables = {layer_name(i, STEM_TABLE): t for i, t in tables.items()}
     specs = []
     for name in stored_order(init):

@@ -177,13 +177,15 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
     if m.init_from:
         student = open_source(m.init_from)
         layers = list(student.config.stem_layers)
+        columns = sum(student.config.table_columns(layer) for layer in layers)  # every table's, side by side
         tensors = {n: student.tensors.shape(n) for n in student.tensors.names()}
         converting = None
     else:
         # closed-form: the same tensors as any init, and it needs no calibration text to be planned
         conversion = plan_conversion(source, layers=m.layers, init="closed-form", dtype="float32",
-                                     first_token=m.first_token, dry_run=True)
+                                     first_token=m.first_token, dry_run=True, columns=m.columns)
         layers = conversion.layers
+        columns = sum(conversion.config.table_columns(layer) for layer in layers)
         tensors = {s.name: s.shape for s in conversion.specs}
         # the peak of the conversion itself, with the recipe's init and layer fit (convert's own estimate)
         options = dataclasses.replace(conversion.init_options, calib_tokens=m.calib_tokens,
@@ -225,7 +227,7 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
                  f"{recipe.data.seq_len} tokens; real text has fewer)"))
     tables_train = "tables" in t.trainable
     plan.device.append(Line(f"a step's rows{' and their gradients' if tables_train else ''} (fp32, {len(layers)} tables)",
-                            rows * d_ff * (8 if tables_train else 4) * len(layers), f"{rows} rows"))
+                            rows * columns * (8 if tables_train else 4), f"{rows} rows"))
     tokens = t.micro_batch_size * recipe.data.seq_len
     # one layer's saved tensors per token: norms, q k v o and residuals (~10 d), the MLP's gate, activation, rows
     # and product (4 d_ff), and on the CPU the attention weights (heads x seq: no flash kernel saves them away)
@@ -240,11 +242,14 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
         plan.device.append(Line("model.source held in memory (dequantised GGUF)", source.in_memory_bytes))
 
     # -- each machine, host memory
-    table = vocab * d_ff * 4
-    state = {"rowwise_adagrad": vocab * 4, "adam": 2 * table + vocab * 8, "adamw": 2 * table + vocab * 8}
-    plan.host.append(Line(f"tables (fp32, {len(layers)} x [{vocab}, {d_ff}])", len(layers) * table,
-                          "one copy, mapped by every process"))
-    optimizer_state = len(layers) * state[recipe.tables.optimizer] if tables_train else 0  # no optimizer: frozen
+    tables = vocab * columns * 4  # every table's rows, fp32
+    # row-wise Adagrad: a float per row; Adam: two floats per element and a step count (int64) per row
+    state = {"rowwise_adagrad": len(layers) * vocab * 4, "adam": 2 * tables + len(layers) * vocab * 8}
+    state["adamw"] = state["adam"]
+    shapes = (f"{len(layers)} x [{vocab}, {d_ff}]" if columns == len(layers) * d_ff
+              else f"{len(layers)} x [{vocab}, k], {columns} columns in all")
+    plan.host.append(Line(f"tables (fp32, {shapes})", tables, "one copy, mapped by every process"))
+    optimizer_state = state[recipe.tables.optimizer] if tables_train else 0  # no optimizer: frozen
     plan.host.append(Line(f"table optimizer state ({recipe.tables.optimizer if tables_train else 'tables frozen'})",
                           optimizer_state))
     if launch.device == "cuda":
@@ -259,7 +264,7 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
     if not m.init_from:
         plan.disk.append(Line("converted starting point (fp32, OUTPUT/init)", everything * 4))
     if t.checkpoint_every:
-        each = len(layers) * table + optimizer_state + sum(dense.values()) * 4 + trainable * 8
+        each = tables + optimizer_state + sum(dense.values()) * 4 + trainable * 8
         plan.disk.append(Line(f"checkpoints ({t.keep_checkpoints} kept)", t.keep_checkpoints * each))
     if not recipe.tables.host_dir:
         plan.disk.append(Line("tables' host copy (OUTPUT/host-tables)", plan.host[0].bytes + plan.host[1].bytes))

@@ -25,6 +25,7 @@ class ModelSection:
     source: str = ""  # the dense checkpoint: teacher for distillation, and what is converted
     init_from: str = ""  # an existing STEM checkpoint to start from; empty: convert `source` first
     layers: str = "1/3"  # STEM layers when converting (as `convert --layers`)
+    columns: str = "all"  # which neurons of each STEM layer become table columns (as `convert --columns`)
     init: str = "calib"  # table init when converting (as `convert --init`)
     first_token: str = "dense"  # what a sequence's first token reads in a STEM layer (as `convert --first-token`)
     calib_data: list = field(default_factory=list)  # calibration text files (globs); default: the training files

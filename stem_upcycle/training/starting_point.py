@@ -12,6 +12,7 @@ import torch
 
 from ..convert import plan_conversion, run_conversion
 from ..generate import GeneratedText, Sampling, as_stream
+from ..neurons import parse_columns
 from ..source import open_source
 from ..table_init import INITIALISERS, FitOptions, InitOptions
 from ..table_init.calibrated import calibrated_ids, calibration_windows
@@ -78,14 +79,16 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
         options.calib_generated = stream[: round(m.calib_tokens * share)]
     plan = None
     if not (init_dir / "config.json").exists():
-        # --layers auto scores layers on the main process alone; an explicit layer set calibrates in every one
-        split = acc.num_processes > 1 and INITIALISERS[m.init].needs_data and not is_auto(m.layers)
+        # --layers auto and --columns score layers and neurons on the main process alone; an explicit layer set of
+        # whole layers calibrates in every one
+        split = (acc.num_processes > 1 and INITIALISERS[m.init].needs_data and not is_auto(m.layers)
+                 and not parse_columns(m.columns).measured)
         if split:
             options.shard = (acc.process_index, acc.num_processes, lambda t: acc.reduce(t, reduction="sum"))
         if split or acc.is_main_process:
             with acc.autocast():
                 plan = plan_conversion(source, layers=m.layers, init=m.init, dtype="float32",
-                                       init_options=options, first_token=m.first_token)
+                                       init_options=options, first_token=m.first_token, columns=m.columns)
                 if split:  # reused by the conversion below instead of calibrating again
                     plan.init_options.calibration = INITIALISERS[m.init](
                         plan.init_target, plan.init_options, progress=progress and acc.is_main_process)

@@ -24,7 +24,7 @@ from .tables import OffloadedTable, SharedTables
 
 # Which dense parameters each trainable part names (regular expressions on parameter names).
 PARTS = {
-    "gate_down": None,  # the gate and down projections of the STEM layers (set per model below)
+    "gate_down": None,  # the gate and down projections of the STEM layers, and their up_rest (set per model below)
     "mlp": r"\.mlp\.",
     "norms": r"norm",
     "attention": r"\.self_attn\.",
@@ -34,19 +34,20 @@ PARTS = {
 
 class TrainingStemMLP(StemMLP):
     """The STEM MLP with its rows from an `OffloadedTable` and, during a hand-off, blended with the
-    dense up-projection."""
+    dense up-projection of the table columns."""
 
     def __init__(self, mlp: StemMLP, table: OffloadedTable):
-        # The converted MLP's own gate and down projections; the table is not a module: kept out of
-        # parameters, state dicts, DDP and FSDP.
-        super().__init__(mlp.gate_proj, mlp.down_proj, mlp.act_fn, table, mlp.token_ids, mlp.layer, mlp.up_proj)
-        # The frozen dense up-projection (weight [d_ff, d], bias), only during a hand-off: the
-        # teacher's own tensors, borrowed uncopied and, like the table, no parameter of this model.
+        # The converted MLP's own gate, down and up_rest projections (and neuron order); the table is not a module:
+        # kept out of parameters, state dicts, DDP and FSDP.
+        super().__init__(mlp.gate_proj, mlp.down_proj, mlp.act_fn, table, mlp.token_ids, mlp.layer, mlp.up_proj,
+                         mlp.up_rest, getattr(mlp, "neuron_order", None))
+        # The frozen dense up-projection of the table columns (weight [k, d], bias), only during a hand-off: rows of
+        # the teacher's own tensors and, like the table, no parameter of this model.
         self.dense_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.blend = 1.0
 
-    def up(self, x: torch.Tensor) -> torch.Tensor:
-        up = super().up(x)  # [batch, seq, d_ff]
+    def table_up(self, x: torch.Tensor) -> torch.Tensor:
+        up = super().table_up(x)  # [batch, seq, k]
         if self.blend < 1.0:
             up = (1.0 - self.blend) * F.linear(x, *self.dense_up) + self.blend * up
         return up
@@ -63,9 +64,9 @@ def attach_tables(model, device: torch.device, shared: SharedTables | None = Non
     tables = {}
     base = base_model(model)
     placed = getattr(base, "stem_tables_placement", None)  # tables left in the checkpoint's files (mmap)
-    shape = (model.config.vocab_size, model.config.intermediate_size)
     for index in getattr(model.config, "stem_layers", []):  # none in a dense baseline
         mlp = base.layers[index].mlp
+        shape = (model.config.vocab_size, model.config.table_columns(index))
         if shared is None:
             tables[index] = OffloadedTable(mlp.up_table.weight.data, device)
         else:
@@ -89,7 +90,8 @@ def stem_mlps(model) -> list[TrainingStemMLP]:
 
 def set_handoff(model, dense=None) -> None:
     """Start a blended hand-off at a = 0 with the up-projections of `dense` (the teacher, a dense model
-    of the same family); None ends it, dropping them."""
+    of the same family) of each STEM layer's table columns (its rows of `neuron_order`, where a layer's table holds
+    some of its neurons only); None ends it, dropping them."""
     if dense is None:
         for mlp in stem_mlps(model):
             mlp.dense_up, mlp.blend = None, 1.0
@@ -98,9 +100,14 @@ def set_handoff(model, dense=None) -> None:
     family = family_for(dense.config.model_type)
     layers = base_model(model).layers
     for index in model.config.stem_layers:
+        mlp = layers[index].mlp
         w = mlp_projections(weights, family, index)
-        bias = None if w["up_bias"] is None else w["up_bias"].detach()
-        layers[index].mlp.dense_up, layers[index].mlp.blend = (w["up"].detach(), bias), 0.0
+        table = getattr(mlp, "neuron_order", None)  # the parent's index of each neuron, table columns first
+        up, bias = w["up"].detach(), None if w["up_bias"] is None else w["up_bias"].detach()
+        if table is not None:
+            table = table[: model.config.table_columns(index)].to(up.device)
+            up, bias = up[table], None if bias is None else bias[table]
+        mlp.dense_up, mlp.blend = (up, bias), 0.0
 
 
 def set_blend(model, blend: float) -> None:
@@ -131,7 +138,7 @@ def select_trainable(model, parts: list[str], lora=None):
 
 def is_trainable(name: str, parts: list[str], stem_layers: list[int]) -> bool:
     """Whether the dense parameter NAME is among the trainable PARTS (the tables and LoRA adapters aside)."""
-    stem = "|".join(rf"\.layers\.{i}\.mlp\.(gate_proj|down_proj)\." for i in stem_layers)
+    stem = "|".join(rf"\.layers\.{i}\.mlp\.(gate_proj|down_proj|up_rest)\." for i in stem_layers)
     patterns = [stem if part == "gate_down" else PARTS[part] for part in parts if part not in ("tables", "lora")]
     return any(re.search(p, name) for p in patterns if p)  # gate_down names nothing without STEM layers
 

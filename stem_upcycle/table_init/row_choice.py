@@ -1,0 +1,90 @@
+"""What becomes rows: which layers are converted (`--layers`) and, in each, which of its neurons (`--columns`),
+decided in one step before anything is written, with one result (`RowChoice`) that the conversion's plan is made of.
+
+Choices that measure (`--layers auto:`, `--columns` other than all) calibrate the dense model on the calibration
+text with some windows kept out, and score on those: layers by the perplexity each costs converted alone
+(layer_choice.py), neurons by the output error each adds as a table column (column_costs.py). A dry run (`convert
+--dry-run`, `train --plan`) measures nothing: it plans for as many layers and columns, sized alike.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..families import Family
+from ..layers import LayerSpecError, parse_layers
+from ..loading import model_from_source
+from ..neurons import ColumnSpecError, NeuronSplit, choose_columns, parse_columns
+from . import INITIALISERS
+from .column_costs import column_costs
+from .layer_choice import auto_fraction, check_auto, is_auto, select_layers
+from .protocol import FitOptions, InitOptions, InitTarget
+
+COLUMN_SCORING_WINDOWS = 16  # calibration windows kept out of the rows that neurons are scored on
+
+
+@dataclass
+class RowChoice:
+    """The layers to convert and, per layer whose table holds some of its neurons only, their split; with what the
+    choice measured (kept in the config for the user) and a calibration the init may reuse."""
+
+    layers: list[int]
+    columns: dict[int, NeuronSplit] = field(default_factory=dict)  # empty: whole layers
+    calibration: Any = None  # every layer calibrated by --layers auto, reusable by the init (whole layers only)
+    layer_costs: dict | None = None  # {layer: perplexity ratio converted alone} (--layers auto)
+    fact_costs: dict | None = None  # {layer: fact-completion perplexity ratio converted alone} (--layers auto)
+    measured: bool = True  # False in a dry run of a measured choice: counts and sizes only, no neuron chosen
+
+    def table_columns(self, d_ff: int) -> dict[int, int]:
+        """Per converted layer, its table's columns."""
+        return {layer: self.columns[layer].columns if layer in self.columns else d_ff for layer in self.layers}
+
+
+def choose_rows(source, family: Family, config, layers: str, columns: str, init: str, options: InitOptions,
+                step: int, progress: bool = False, dry_run: bool = False) -> RowChoice:
+    """The conversion's choice of rows for `--layers LAYERS --columns COLUMNS`; `config`: a STEM config of the
+    source (the activation, the first-token rule), `step`: the multiple table columns come in (`column_step`)."""
+    dense, spec = source.config, parse_columns(columns)
+    if spec.measured and not INITIALISERS[init].needs_data:
+        raise ColumnSpecError(f"--columns {columns} chooses neurons by their error with calibrated rows: use --init "
+                              f"calib (or calib-mean) with --calib-data")
+    choice = RowChoice([])
+    if is_auto(layers) and dry_run:  # sizes depend on the count alone: no calibration, no measurement
+        check_auto(layers, init)
+        choice = RowChoice(parse_layers(auto_fraction(layers), dense.num_hidden_layers), measured=False)
+    elif is_auto(layers):  # calibrates every layer and scores each; the init reuses that calibration
+        chosen, calibration, layer_costs, fact_costs = select_layers(layers, source, family, config, init, options,
+                                                                     progress)
+        choice = RowChoice(chosen, calibration=calibration, layer_costs=layer_costs, fact_costs=fact_costs)
+    else:
+        choice.layers = parse_layers(layers, dense.num_hidden_layers)
+    if spec.whole:
+        return choice
+    d_ff = dense.intermediate_size
+    if dry_run:  # as many columns as the real run gives the layers on average, in no particular neurons
+        costs = {layer: torch.zeros(d_ff) for layer in choice.layers}
+        even = dataclasses.replace(spec, spread=False)
+        splits = choose_columns(even, costs, step)
+        return dataclasses.replace(choice, columns=splits, measured=False)
+    calibrated, model = choice.calibration, options.dense_model
+    if calibrated is None:  # every converted layer calibrated whole, windows kept out to score the neurons on
+        model = model or model_from_source(source)
+        scoring = dataclasses.replace(options, dense_model=model, scoring_windows=COLUMN_SCORING_WINDOWS,
+                                      fit=FitOptions(), calibration=None)
+        calibrated = INITIALISERS[init](InitTarget(source, family, config, choice.layers), scoring, progress=progress)
+    costs = column_costs(model or calibrated_model(calibrated, source), calibrated, family, config, choice.layers,
+                         calibrated.scoring_windows)
+    splits = choose_columns(spec, costs, step)
+    if not splits:
+        raise LayerSpecError(f"--columns {columns} leaves no neuron of layers {choice.layers} as a table column; "
+                             f"give a larger share")
+    # layers given no column stay dense; the rows are calibrated again, on every window, for the chosen columns
+    return RowChoice(sorted(splits), {layer: s for layer, s in splits.items() if s.columns < d_ff},
+                     layer_costs=choice.layer_costs, fact_costs=choice.fact_costs)
+
+
+def calibrated_model(calibrated, source):
+    """The dense model a calibration read (`select_layers` loads it once; it is its options' `dense_model`)."""
+    return getattr(calibrated, "dense_model", None) or model_from_source(source)

@@ -1,0 +1,187 @@
+"""Tables for some of a layer's neurons (`convert --columns`): the mechanism is exact before any quality figure.
+
+The neurons' order alone gives the parent; table columns that hold the parent's up-projection for an input give
+the parent on it; whole-layer checkpoints written before this change load with their logits; every placement,
+table format and layout serves a share strictly between 0 and 1 where stem-upcycle cannot be imported.
+"""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from stem_upcycle.cli import main
+from stem_upcycle.modeling.modeling_stem import StemMLP
+from stem_upcycle.neurons import ColumnSpecError, NeuronSplit, choose_columns, parse_columns, split_projections
+from stem_upcycle.source import open_source
+
+from .conftest import VOCAB, export_stem, markov_text, run_without_stem_upcycle, save_tiny_tokenizer, tiny_stem
+
+D_FF = 48  # the tiny models' intermediate size
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def load(path, placement="memory", **kwargs):
+    return AutoModelForCausalLM.from_pretrained(path, stem_tables=placement, **kwargs).eval()
+
+
+@pytest.fixture
+def calib_dense(dense_dir, tmp_path):
+    """A tiny dense llama with a tokenizer, and calibration text for it."""
+    model, path = dense_dir("llama")
+    save_tiny_tokenizer(path)
+    (tmp_path / "calib.txt").write_text(markov_text(6000, 0))
+    return model, path, tmp_path / "calib.txt"
+
+
+def convert(src, calib, out, *extra):
+    result = run("convert", src, out, "--layers", "all", "--init", "calib", "--calib-data", calib,
+                 "--calib-seq-len", 32, "--quiet", *extra)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+# --- choosing columns ------------------------------------------------------------------------------------------
+
+
+def test_columns_parse_and_each_form_gives_its_counts():
+    assert parse_columns("all").whole and parse_columns("1/1").whole
+    assert parse_columns("1/3").share == pytest.approx(1 / 3) and not parse_columns("1/3").spread
+    assert parse_columns("auto:1/2").spread and parse_columns("512").count == 512
+    for bad in ("0/3", "4/3", "third", "auto:2/0", "0"):
+        with pytest.raises(ColumnSpecError, match="--columns"):
+            parse_columns(bad)
+    costs = {0: torch.arange(48.0), 1: torch.arange(48.0).flip(0), 2: torch.full((48,), 100.0)}
+    share = choose_columns(parse_columns("1/3"), costs, step=8)
+    assert {layer: s.columns for layer, s in share.items()} == {0: 16, 1: 16, 2: 16}
+    assert share[0].table.tolist() == list(range(16)) and share[1].table.tolist() == list(range(32, 48))
+    assert share[0].rest.tolist() == list(range(16, 48))  # each part in the parent's order
+    assert {s.columns for s in choose_columns(parse_columns("24"), costs, step=8).values()} == {24}
+    # over all layers: the cheapest 48 of 144 lie in layers 0 and 1; layer 2 gets none and stays dense
+    spread = choose_columns(parse_columns("auto:1/3"), costs, step=8)
+    assert sorted(spread) == [0, 1] and sum(s.columns for s in spread.values()) == 48
+    assert all(s.columns % 8 == 0 for s in spread.values())
+    with pytest.raises(ColumnSpecError, match="at most"):
+        choose_columns(parse_columns("64"), costs, step=8)
+
+
+def test_a_split_orders_gate_up_and_down_alike_and_leaves_the_mlp_unchanged():
+    torch.manual_seed(0)
+    weights = {"gate": torch.randn(D_FF, 8), "gate_bias": torch.randn(D_FF), "up": torch.randn(D_FF, 8),
+               "up_bias": torch.randn(D_FF), "down": torch.randn(8, D_FF)}
+    split = NeuronSplit.cheapest(torch.randn(D_FF), 16)
+    w = split_projections(weights, split)
+    x = torch.randn(5, 8)
+
+    def mlp(gate, gate_bias, up, up_bias, down):
+        return torch.nn.functional.linear(torch.nn.functional.silu(x @ gate.T + gate_bias) * (x @ up.T + up_bias), down)
+
+    up = torch.cat([w["up"], w["up_rest"]])
+    up_bias = torch.cat([w["up_bias"], w["up_rest_bias"]])
+    torch.testing.assert_close(mlp(w["gate"], w["gate_bias"], up, up_bias, w["down"]), mlp(**weights))
+    assert sorted(split.order.tolist()) == list(range(D_FF))
+
+
+# --- converted models are exact where they should be ---------------------------------------------------------------
+
+
+def test_convert_writes_the_split_and_the_neurons_order_alone_gives_the_parents_logits(calib_dense, tmp_path, ids,
+                                                                                       monkeypatch):
+    """Every layer with a third of its neurons as table columns: tensors reordered, shapes of the split; with the
+    table columns given their dense up-projection (the first token's `up_proj`) the model is its parent."""
+    dense, src, calib = calib_dense
+    out = convert(src, calib, tmp_path / "stem", "--columns", "1/3")
+    config = json.loads((out / "config.json").read_text())
+    assert config["stem_layers"] == [0, 1, 2] and config["stem_table_columns"] == {"0": 16, "1": 16, "2": 16}
+    stem, parent = open_source(str(out)).tensors, dense.state_dict()
+    for layer in range(3):
+        order = stem.get(f"model.layers.{layer}.mlp.neuron_order")
+        assert sorted(order.tolist()) == list(range(D_FF))
+        prefix, up = f"model.layers.{layer}.mlp.", parent[f"model.layers.{layer}.mlp.up_proj.weight"]
+        assert torch.equal(stem.get(prefix + "gate_proj.weight"), parent[prefix + "gate_proj.weight"][order])
+        assert torch.equal(stem.get(prefix + "down_proj.weight"), parent[prefix + "down_proj.weight"][:, order])
+        assert torch.equal(stem.get(prefix + "up_proj.weight"), up[order[:16]])  # the first token's, table columns
+        assert torch.equal(stem.get(prefix + "up_rest.weight"), up[order[16:]])
+    assert any(stem.shape(n) == (VOCAB, 48) for n in stem.names() if "stem_table_groups" in n)  # 3 layers x 16
+    monkeypatch.setattr(StemMLP, "table_up", lambda self, x: self.up_proj(x))  # every token: dense table columns
+    with torch.no_grad():
+        for placement in ("memory", "mmap"):
+            torch.testing.assert_close(load(out, placement)(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["memory", "mmap"])
+def test_table_columns_holding_the_parents_up_projection_for_an_input_give_the_parent_on_it(calib_dense, tmp_path,
+                                                                                           placement):
+    """Rows set to the parent's up-projection of the table columns at each token of an input whose ids are
+    distinct reproduce the parent's logits on that input, in every layer at once."""
+    dense, src, calib = calib_dense
+    out = convert(src, calib, tmp_path / "stem", "--columns", "1/3", "--first-token", "table")
+    ids = torch.randperm(VOCAB)[None, :20]
+    ups = {}
+    hooks = [dense.model.layers[i].mlp.up_proj.register_forward_hook(
+        lambda module, args, output, i=i: ups.__setitem__(i, output[0])) for i in range(3)]
+    with torch.no_grad():
+        expected = dense(ids).logits
+    for hook in hooks:
+        hook.remove()
+    model = load(out, placement)
+    for layer in range(3):
+        table = model.model.layers[layer].mlp.neuron_order[:16]
+        model.set_stem_table_rows(layer, ids[0], ups[layer][:, table])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_layer_checkpoints_written_before_columns_load_with_their_logits(tmp_path):
+    """A conversion written by stem-upcycle before per-neuron tables (tests/data, made at 1e5b8a9: no
+    stem_table_columns, no up_rest) loads with the logits it gave then, through the package and remote code alone."""
+    import shutil
+    from pathlib import Path
+
+    from stem_upcycle.convert import MODELING_DIR, MODELING_FILES
+
+    folder = tmp_path / "before"
+    shutil.copytree(Path(__file__).parent / "data" / "whole_layers_before_columns", folder)
+    expected = load_file(folder / "expected.safetensors")
+    assert "stem_table_columns" not in json.loads((folder / "config.json").read_text())
+    with torch.no_grad():
+        for placement in ("memory", "mmap"):
+            torch.testing.assert_close(load(folder, placement)(expected["ids"]).logits, expected["logits"],
+                                       rtol=0, atol=1e-6)
+    for name in MODELING_FILES:  # the current modeling files, as a model exported before is told to take them
+        shutil.copyfile(MODELING_DIR / name, folder / name)
+    run_without_stem_upcycle("""
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        expected = load_file(sys.argv[1] + "/expected.safetensors")
+        for placement in ("memory", "mmap"):
+            model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, stem_tables=placement)
+            assert type(model).__module__.startswith("transformers_modules")
+            assert model.model.layers[0].mlp.up_rest is None
+            with torch.no_grad():
+                torch.testing.assert_close(model(expected["ids"]).logits, expected["logits"], rtol=0, atol=1e-6)
+    """, folder)
+
+
+def test_table_bytes_equal_whole_layers_at_the_same_share(calib_dense):
+    """A third of every layer's neurons are as many numbers as one whole layer of three: the same table bytes, and
+    a dry run plans them without measuring (the counts a real run gives, in no particular neurons)."""
+    from stem_upcycle.convert import plan_conversion
+    from stem_upcycle.table_init import InitOptions
+
+    _, src, calib = calib_dense
+    source = open_source(str(src))
+    options = InitOptions(calib_data=[str(calib)], calib_seq_len=32)
+    split = plan_conversion(source, layers="all", columns="1/3", init="calib", init_options=options, dry_run=True,
+                            layer_groups=1)
+    whole = plan_conversion(source, layers="1", layer_groups=1)
+    assert split.table_bytes == whole.table_bytes == VOCAB * D_FF * 4
+    assert split.config.stem_table_columns == {"0": 16, "1": 16, "2": 16} and not split.choice.measured
+    assert "which neurons, the real run chooses" in split.describe()
