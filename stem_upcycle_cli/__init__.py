@@ -135,7 +135,8 @@ def main():
               show_default=True, help="Dtype of the written weights; auto keeps the checkpoint's.")
 @table_dtype_option(None, "Default: --dtype (float tables, which training needs).")
 @TABLE_BLOCK
-@layer_groups_option(f"Default: {DEFAULT_LAYER_GROUPS}, or as many as a shard holds (--max-shard-size); "
+@layer_groups_option(f"Default: as many layers as hold the columns of {DEFAULT_LAYER_GROUPS} whole tables "
+                     "(narrow tables of --columns: more layers), or as many as a shard holds (--max-shard-size); "
                      "compressed tables: 1.")
 @MAX_SHARD_SIZE
 @OVERWRITE

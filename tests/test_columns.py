@@ -18,7 +18,8 @@ from stem_upcycle.modeling.modeling_stem import StemMLP
 from stem_upcycle.neurons import ColumnSpecError, NeuronSplit, choose_columns, parse_columns, split_projections
 from stem_upcycle.source import open_source
 
-from .conftest import VOCAB, export_stem, markov_text, run_without_stem_upcycle, save_tiny_tokenizer, tiny_stem
+from .conftest import (VOCAB, export_stem, markov_text, run_without_stem_upcycle, save_tiny_tokenizer, tiny_dense,
+                       tiny_stem)
 
 D_FF = 48  # the tiny models' intermediate size
 
@@ -185,3 +186,143 @@ def test_table_bytes_equal_whole_layers_at_the_same_share(calib_dense):
     assert split.table_bytes == whole.table_bytes == VOCAB * D_FF * 4
     assert split.config.stem_table_columns == {"0": 16, "1": 16, "2": 16} and not split.choice.measured
     assert "which neurons, the real run chooses" in split.describe()
+
+
+def test_each_neurons_cost_is_its_output_error_on_windows_the_rows_never_saw(calib_dense):
+    """The cost that chooses the table columns: ||W_down[:, j]||^2 x the mean over the scoring windows' positions
+    of (act(gate_j x) (up_j x - row_j[token]))^2, with the rows the conversion writes, on calibration windows kept
+    out of those rows; the cheapest neurons of each layer become its table columns."""
+    from stem_upcycle.convert import stem_config
+    from stem_upcycle.families import family_for
+    from stem_upcycle.table_init import INITIALISERS, InitOptions, InitTarget
+    from stem_upcycle.table_init.column_costs import column_costs
+    from stem_upcycle.table_init.row_choice import COLUMN_SCORING_WINDOWS, choose_rows
+
+    dense, src, calib = calib_dense
+    source, family = open_source(str(src)), family_for("llama")
+    config = stem_config(source.config, family, [0], "calib", torch.float32, False, True)
+    options = InitOptions(calib_data=[str(calib)], calib_seq_len=32, dense_model=dense,
+                          scoring_windows=COLUMN_SCORING_WINDOWS)
+    calibrated = INITIALISERS["calib"](InitTarget(source, family, config, [0, 1, 2]), options)
+    scoring = calibrated.scoring_windows
+    kept_out = {tuple(w) for w in scoring.tolist()}
+    assert len(scoring) == COLUMN_SCORING_WINDOWS and not kept_out & {tuple(w) for w in calibrated.windows.tolist()}
+    costs = column_costs(dense, calibrated, family, config, [0, 1, 2], scoring)
+    # layer 1 by hand: its MLP inputs in the dense model, the first position of each window left out (dense there)
+    inputs = []
+    hook = dense.model.layers[1].mlp.register_forward_pre_hook(lambda m, args: inputs.append(args[0][:, 1:]))
+    with torch.no_grad():
+        dense(scoring)
+    hook.remove()
+    mlp, x = dense.model.layers[1].mlp, torch.cat(inputs).flatten(0, 1)
+    ids = scoring[:, 1:].flatten()
+    unique, inverse = ids.unique(return_inverse=True)
+    with torch.no_grad():
+        error = torch.nn.functional.silu(mlp.gate_proj(x)) * (mlp.up_proj(x) - calibrated.rows_for(1, unique)[inverse])
+        expected = mlp.down_proj.weight.square().sum(0) * error.square().mean(0)
+    torch.testing.assert_close(costs[1], expected, rtol=1e-4, atol=1e-9)
+    choice = choose_rows(source, family, config, "all", "1/3", "calib", InitOptions(
+        calib_data=[str(calib)], calib_seq_len=32, dense_model=dense), step=8)
+    for layer, split in choice.columns.items():  # the same windows kept out: the same costs, the cheapest chosen
+        assert set(split.table.tolist()) == set(costs[layer].topk(16, largest=False).indices.tolist())
+
+
+# --- every path serves a share of the neurons -----------------------------------------------------------------
+
+BLOCK = 16  # compressed tables' block: divides both layers' table columns (16 and 32)
+PATHS = {  # placement, keywords, what runs: host's cache holding every row or too few (rows staged per forward)
+    "memory": ("memory", {}), "mmap": ("mmap", {}), "host, staged": ("host", {"stem_cache_rows": 8}),
+    "host, cached": ("host", {"stem_cache_rows": VOCAB}),
+}
+
+
+@pytest.fixture
+def formats(tmp_path):
+    """A tiny model whose layers 0 and 2 hold 16 and 32 of their 48 neurons as table columns, exported with float
+    tables a tensor per table, then (`compress`) grouped side by side and compressed to int8, float8 and int4."""
+    model = tiny_stem("llama", layers=(0, 2), columns={0: 16, 2: 32})
+    folders = {"float32": export_stem(model, tmp_path / "float32")}
+    for name, args in {"grouped": ["--layer-groups", 2, "--table-dtype", "float32"],
+                       **{dtype: ["--table-dtype", dtype, "--table-block", BLOCK] for dtype in ("int8", "float8", "int4")}
+                       }.items():
+        result = run("compress", folders["float32"], tmp_path / name, *args, "--quiet", "--max-shard-size", "40KB")
+        assert result.exit_code == 0, result.output
+        folders[name] = tmp_path / name
+    assert json.loads((folders["grouped"] / "config.json").read_text())["stem_table_groups"] == [[0, 2]]
+    return model, folders
+
+
+def test_every_placement_format_and_layout_serves_a_share_of_the_neurons_where_stem_upcycle_is_absent(formats,
+                                                                                                     tmp_path):
+    """Per layout and format, every placement and path (mmap's reads on the pool for a forward of 72 distinct ids
+    and in the forward's thread for a decode step; host's rows staged or cached) gives the logits of `memory`, and
+    greedy decoding its tokens, in a process where stem_upcycle cannot be imported; float tables give the logits
+    of the package's model, and compressed ones come within their error of them."""
+    model, folders = formats
+    wide = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:72].view(2, 36)  # 72 distinct ids
+    with torch.no_grad():
+        expected = model(wide).logits
+    torch.save({"ids": wide, "logits": expected}, tmp_path / "data.pt")
+    out = run_without_stem_upcycle("""
+        import json, sys
+        import torch
+        from transformers import AutoModelForCausalLM
+        paths, data = json.loads(sys.argv[1]), torch.load(sys.argv[2])
+        ids, step = data["ids"], data["ids"][:, -1:]
+        torch.accelerator.is_available = lambda: True  # `host` runs with the CPU as its device
+        for name, path in paths.items():
+            def load(placement, **kwargs):
+                return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, stem_tables=placement,
+                                                            **kwargs).eval()
+            memory = load("memory")
+            assert [memory.model.layers[i].mlp.up_rest.out_features for i in (0, 2)] == [32, 16]
+            with torch.no_grad():
+                reference = memory(ids).logits, memory(step).logits
+                greedy = memory.generate(ids[:1, :8], max_new_tokens=6, do_sample=False, pad_token_id=0)
+                error = (reference[0] - data["logits"]).abs().max().item()
+                assert error < (1e-6 if name in ("float32", "grouped") else 0.2), (name, error)
+                for path_name, (placement, kwargs) in json.loads(sys.argv[3]).items():
+                    placed = load(placement, **kwargs)
+                    for _ in range(2):  # the second time from the host's cache where it holds the rows
+                        torch.testing.assert_close(placed(ids).logits, reference[0], rtol=0, atol=1e-6)
+                    torch.testing.assert_close(placed(step).logits, reference[1], rtol=0, atol=1e-6)
+                    assert torch.equal(placed.generate(ids[:1, :8], max_new_tokens=6, do_sample=False,
+                                                       pad_token_id=0), greedy), (name, path_name)
+                    if placement == "host":
+                        stats = placed.stem_placement.stats
+                        assert (stats["staged"] > 0) == (path_name == "host, staged"), (path_name, stats)
+            print(name, "ok")
+    """, json.dumps({name: str(path) for name, path in folders.items()}), tmp_path / "data.pt", json.dumps(PATHS))
+    assert out.splitlines() == [f"{name} ok" for name in folders]
+
+
+def test_edit_inspect_and_train_plan_read_the_table_columns(formats, tmp_path):
+    """A persistent edit swaps k-wide rows and its undo restores every byte; inspect names the table columns and
+    counts the FLOPs of the up-projection that remain; train --plan sizes the tables by their columns."""
+    import hashlib
+
+    model, folders = formats
+    save_tiny_tokenizer(folders["float32"])
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folders["float32"].iterdir() if p.is_file()}
+    result = run("edit", folders["float32"], "--swap", "w5=w9", "--output", tmp_path / "edited")
+    assert result.exit_code == 0, result.output
+    edited = load(tmp_path / "edited")
+    for layer, k in ((0, 16), (2, 32)):
+        rows = edited.stem_table_rows(layer, torch.tensor([5, 9]))
+        assert rows.shape == (2, k) and torch.equal(rows[0], model.stem_table_rows(layer, torch.tensor([9]))[0])
+    assert run("edit", tmp_path / "edited", "--undo").exit_code == 0
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "edited").iterdir()
+            if p.is_file() and p.name in digest} == digest
+    inspect = run("inspect", folders["float32"], "--json")
+    summary = json.loads(inspect.output)
+    assert summary["table_columns"] == {"0": 16, "2": 32}
+    d, d_ff, layers = 32, 48, 3
+    assert summary["ffn_flops_per_token"] == 2 * 3 * d * d_ff * layers - 2 * d * (16 + 32)
+    assert "16-32 of 48 neurons a layer" in run("inspect", folders["float32"]).output
+    tiny_dense("llama").save_pretrained(tmp_path / "dense")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{source: {tmp_path / 'dense'}, init_from: {folders['float32']}}}\n"
+                      f"data: {{train: [{recipe}]}}\n")
+    plan = run("train", recipe, "--output", tmp_path / "t", "--plan")
+    assert plan.exit_code == 0, plan.output
+    assert "2 x [96, k], 48 columns in all" in plan.output

@@ -121,28 +121,43 @@ def test_shared_tables_are_one_copy_whose_rows_each_process_updates_once(tmp_pat
     assert (tmp_path / "host" / "table.0.bin").stat().st_size == 30 * 6 * 4
 
 
-@pytest.mark.parametrize("model_type, first_token", [("llama", "table"), ("granite", "table"), ("phi3", "table"),
-                                                     ("gemma2", "table"), ("llama", "dense"), ("phi3", "dense")])
-def test_handoff_at_blend_zero_is_the_dense_model_exactly(dense_dir, tmp_path, ids, model_type, first_token):
+@pytest.mark.parametrize("model_type, first_token, columns", [
+    ("llama", "table", "all"), ("granite", "table", "all"), ("phi3", "table", "all"), ("gemma2", "table", "all"),
+    ("llama", "dense", "all"), ("phi3", "dense", "all"), ("llama", "table", "1/3"), ("phi3", "dense", "1/3")])
+def test_handoff_at_blend_zero_is_the_dense_model_exactly(dense_dir, tmp_path, ids, model_type, first_token, columns):
+    """At a = 0 every STEM layer reads the teacher's up-projection: the dense model; with a share of each layer's
+    neurons as table columns, the teacher's rows of those neurons, found by the layer's `neuron_order`."""
     from transformers import AutoModelForCausalLM
 
+    from stem_upcycle.table_init import InitOptions
+
+    from .conftest import markov_text, save_tiny_tokenizer
+
     dense, path = dense_dir(model_type)
+    save_tiny_tokenizer(path)
+    (tmp_path / "calib.txt").write_text(markov_text(4000, 0))
     source = open_source(str(path))
-    run_conversion(plan_conversion(source, layers="all", first_token=first_token), tmp_path / "stem", progress=False)
+    init = "closed-form" if columns == "all" else "calib"  # neurons are chosen with calibrated rows
+    plan = plan_conversion(source, layers="all", first_token=first_token, columns=columns, init=init,
+                           init_options=InitOptions(calib_data=[str(tmp_path / "calib.txt")], calib_seq_len=32))
+    run_conversion(plan, tmp_path / "stem", progress=False)
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", dtype=torch.float32, stem_tables="memory").eval()
     tables = attach_tables(student, torch.device("cpu"))
     set_handoff(student, dense)  # borrows the teacher's up-projections
     stem_mlp = base_model(student).layers[0].mlp
     dense_storage = {p.untyped_storage().data_ptr() for p in dense.parameters()}
-    assert stem_mlp.dense_up[0].untyped_storage().data_ptr() in dense_storage  # shared, not copied
+    shared = stem_mlp.dense_up[0].untyped_storage().data_ptr() in dense_storage
+    assert shared == (columns == "all")  # whole layers: shared, not copied; a share: a copy of its rows alone
+    assert stem_mlp.dense_up[0].shape[0] == base_model(student).config.table_columns(0)
     kept = [name for name in student.state_dict() if "up_proj" in name]  # no parameter of the student's either,
     assert len(kept) == (3 if first_token == "dense" else 0)  # but the first token's own up-projection
     for table in tables.values():
         table.gather(distinct_ids(ids))
     with torch.no_grad():
-        if model_type == "phi3":
-            # Phi-3's dense MLP runs one fused gate_up matmul, the hand-off two split ones: the same
-            # sums, blocked differently by the CPU's kernels (AVX-512 rounds them apart), so a tolerance.
+        if model_type == "phi3" or columns != "all":
+            # Phi-3's dense MLP runs one fused gate_up matmul, the hand-off two split ones; a share of the neurons
+            # reorders them, so the down-projection sums them in another order: the same sums, blocked
+            # differently by the CPU's kernels (AVX-512 rounds them apart), so a tolerance.
             torch.testing.assert_close(student(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-6)
         else:  # the same operations in the same order: bit-identical on any CPU
             assert torch.equal(student(ids).logits, dense(ids).logits)

@@ -122,23 +122,33 @@ def test_every_family_is_served_with_the_greedy_text_of_transformers(family, ser
     assert vllm_greedy(path, None, served=served, max_model_len=64, prompts=prompts) == expected
 
 
-@pytest.mark.parametrize("tables", [None, "mmap", "host"])
-def test_two_tensor_parallel_processes_split_the_tables_and_give_the_logprobs_of_transformers(tables, tmp_path):
+@pytest.mark.parametrize("tables, columns", [(None, "all"), ("mmap", "all"), ("host", "all"), (None, "1/3"),
+                                             ("mmap", "1/3"), ("host", "1/3")])
+def test_two_tensor_parallel_processes_split_the_tables_and_give_the_logprobs_of_transformers(tables, columns,
+                                                                                             tmp_path):
     """Tensor parallelism (2 CPU processes, one core each): each rank holds its columns of the gate, of the rows
     (grouped tables in memory, split per layer; mmap: read whole, then cut) and of the first token's up_proj, and
-    the down-projection sums the ranks'. Tokens and their logprobs equal Transformers' (a rank reading the wrong
-    columns moves them)."""
+    the down-projection sums the ranks'. With a third of each layer's neurons as table columns, each rank holds
+    its share of the table columns and of up_rest (the gate and down reordered as they load). Tokens and their
+    logprobs equal Transformers' (a rank reading the wrong columns moves them)."""
     from transformers import AutoModelForCausalLM
 
-    from .conftest import save_tiny_tokenizer, tiny_dense
+    from stem_upcycle.table_init import InitOptions
+
+    from .conftest import markov_text, save_tiny_tokenizer, tiny_dense
 
     dense = tiny_dense("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, bos_token_id=94,
                        eos_token_id=94, pad_token_id=94)
     dense.save_pretrained(tmp_path / "dense")
     save_tiny_tokenizer(tmp_path / "dense")
-    run_conversion(plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init="closed-form"),
-                   tmp_path / "stem", progress=False)
-    assert json.loads((tmp_path / "stem" / "config.json").read_text())["stem_table_groups"] == [[0, 2]]
+    (tmp_path / "calib.txt").write_text(markov_text(4000, 0))
+    init = "closed-form" if columns == "all" else "calib"  # neurons are chosen with calibrated rows
+    options = InitOptions(calib_data=[str(tmp_path / "calib.txt")], calib_seq_len=32)
+    run_conversion(plan_conversion(open_source(str(tmp_path / "dense")), layers="0,2", init=init, columns=columns,
+                                   init_options=options), tmp_path / "stem", progress=False)
+    config = json.loads((tmp_path / "stem" / "config.json").read_text())
+    assert config["stem_table_groups"] == [[0, 2]]
+    assert config["stem_table_columns"] == (None if columns == "all" else {"0": 16, "2": 16})
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "stem", trust_remote_code=True, dtype=torch.float32,
                                                  stem_tables="memory").eval()
     prompts = ["w1 w5 w9 w13", "w40 w2", "w7"]
@@ -152,6 +162,43 @@ def test_two_tensor_parallel_processes_split_the_tables_and_give_the_logprobs_of
         expected = torch.stack(out.logits)[:, 0].log_softmax(-1).gather(1, tokens[:, None])[:, 0]
         assert served[prompt][0] == tokens.tolist(), prompt
         torch.testing.assert_close(torch.tensor(served[prompt][1]), expected, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def converted_columns(tmp_path_factory):
+    """SmolLM2-135M with a third of the neurons of three layers as table columns (the others keep up_rest),
+    calibrated on this project's documentation, and Transformers' greedy continuation of every prompt."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stem_upcycle.cli import main
+
+    out = tmp_path_factory.mktemp("vllm-columns") / "stem"
+    result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(out), "--layers", "0,15,21", "--columns", "1/3",
+                                       "--init", "calib", "--calib-data", str(ROOT / "README.md"), "--calib-data",
+                                       str(ROOT / "docs" / "cli.md"), "--calib-seq-len", "256", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["stem_table_columns"] == {"0": 512, "15": 512, "21": 512}
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32,
+                                                 stem_tables="memory").eval()
+    expected = {}
+    for prompt in PROMPTS:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        expected[prompt] = ids[0, inputs["input_ids"].shape[1]:].tolist()
+    return out, expected
+
+
+@pytest.mark.parametrize("tables, impl, compile", [("memory", "auto", False), ("host", "auto", False),
+                                                   ("mmap", "auto", True), ("mmap", "transformers", True)])
+def test_a_share_of_each_layers_neurons_as_table_columns_serves_the_greedy_text_of_transformers(
+        converted_columns, tables, impl, compile):
+    """The plugin's model (rows of the table columns cat up_rest's outputs; tables in memory, host memory or the
+    files) and the Transformers backend, eager and compiled."""
+    path, expected = converted_columns
+    served = NATIVE if impl == "auto" else None
+    assert vllm_greedy(path, tables, compile=compile, impl=impl, served=served) == expected
 
 
 @pytest.mark.parametrize("tables", [None, "mmap"])
