@@ -72,6 +72,20 @@ def test_columns_parse_and_each_form_gives_its_counts():
         choose_columns(parse_columns("64"), costs, step=8)
 
 
+def test_narrow_tables_lie_in_groups_of_as_many_columns_as_whole_ones():
+    """convert's default groups: the columns of 5 whole tables a group, so that a token's rows of a third of every
+    layer's neurons are read in as many reads as those of a third of the layers whole."""
+    from stem_upcycle.convert import groups_of_columns
+
+    thirds = groups_of_columns(list(range(30)), {layer: 512 for layer in range(30)}, 5 * 1536)
+    assert thirds == [list(range(15)), list(range(15, 30))]
+    whole = groups_of_columns(list(range(0, 30, 3)), {layer: 1536 for layer in range(0, 30, 3)}, 5 * 1536)
+    assert whole == [[0, 3, 6, 9, 12], [15, 18, 21, 24, 27]]
+    mixed = groups_of_columns([0, 1, 2, 3], {0: 1024, 1: 512, 2: 2048, 3: 256}, 2048)
+    assert mixed == [[0, 1], [2], [3]]  # a table as wide as the budget alone is a group of its own
+    assert groups_of_columns([0, 1], {0: 1536, 1: 1536}, 1536) is None  # a tensor per table
+
+
 def test_a_split_orders_gate_up_and_down_alike_and_leaves_the_mlp_unchanged():
     torch.manual_seed(0)
     weights = {"gate": torch.randn(D_FF, 8), "gate_bias": torch.randn(D_FF), "up": torch.randn(D_FF, 8),
@@ -100,6 +114,7 @@ def test_convert_writes_the_split_and_the_neurons_order_alone_gives_the_parents_
     out = convert(src, calib, tmp_path / "stem", "--columns", "1/3")
     config = json.loads((out / "config.json").read_text())
     assert config["stem_layers"] == [0, 1, 2] and config["stem_table_columns"] == {"0": 16, "1": 16, "2": 16}
+    assert config["stem_table_groups"] == [[0, 1, 2]]  # as many columns as whole tables of 5 layers hold, at most
     stem, parent = open_source(str(out)).tensors, dense.state_dict()
     for layer in range(3):
         order = stem.get(f"model.layers.{layer}.mlp.neuron_order")
