@@ -16,7 +16,8 @@ recovery) with one way of replacing SHARE of all W_up columns by table columns:
 The three replace as many W_up columns (SHARE x layers x d_ff), so their tables hold as many numbers. A token reads
 the rest: the share of the FFN's weights it reads that became rows is SHARE / 3. Equal wall time: the layer fit
 walks 30 layers for the neuron modes and SHARE x 30 for whole layers, so each mode's end-to-end steps are set apart
-(`--steps MODE=N`; the recipe's otherwise) and every point's wall time is printed and kept, to set them equal.
+(`--steps MODE=N`; the recipe's otherwise; `--mode-set MODE:KEY=VALUE` sets any other key of a mode's points) and
+every point's wall time is printed and kept, to set them equal.
 
 Every point is scored as frontier.py scores its points, each part in its own process: the perplexity ratio to the
 parent on the recipe's held-out sets and `--heldout` ones, facts (`stem-upcycle eval --facts`), last-word accuracy
@@ -102,6 +103,8 @@ def main():
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--steps", action="append", default=[], metavar="MODE=N",
                         help="end-to-end steps of a mode's points (default: the recipe's)")
+    parser.add_argument("--mode-set", action="append", default=[], metavar="MODE:SECTION.KEY=VALUE",
+                        help="a recipe override for a mode's points (the layer fit's epochs, say)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a recipe override for every point (as `train --set`)")
     parser.add_argument("--heldout", action="append", default=[], metavar="NAME=FILE",
@@ -128,6 +131,7 @@ def main():
             spec, extra = overrides(mode, share, layers)
             if mode in steps:
                 extra += [f"train.steps={steps[mode]}", f"train.eval_every={steps[mode]}"]
+            extra += [item.split(":", 1)[1] for item in args.mode_set if item.split(":", 1)[0] == mode]
             name = f"{mode}-{share.numerator}of{share.denominator}"
             measure(name, args.output / name, args, sets, recipe.model.source, spec, extra)
             (args.output / "frontier.md").write_text(markdown(every_point(args.output), list(sets)) + "\n")

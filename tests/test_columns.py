@@ -341,3 +341,15 @@ def test_edit_inspect_and_train_plan_read_the_table_columns(formats, tmp_path):
     plan = run("train", recipe, "--output", tmp_path / "t", "--plan")
     assert plan.exit_code == 0, plan.output
     assert "2 x [96, k], 48 columns in all" in plan.output
+
+
+def test_a_recipe_names_its_columns_and_a_bad_one_is_one_line(tmp_path):
+    from stem_upcycle.training.recipe import RecipeError, load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {source: smollm2-135m, layers: all, columns: 1/3}\ndata: {train: [a.txt]}\n")
+    assert load_recipe(recipe).model.columns == "1/3"
+    with pytest.raises(RecipeError, match="model.columns: --columns 'third' is not understood"):
+        load_recipe(recipe, ["model.columns=third"])
+    with pytest.raises(RecipeError, match="set model.init: calib"):
+        load_recipe(recipe, ["model.init=closed-form"])

@@ -238,11 +238,12 @@ class LayerFitter:
         gram = torch.zeros(width, width, dtype=torch.float64, device=self.device)
         cross = torch.zeros(width, down.out_features, dtype=torch.float64, device=self.device)
         for x, y in self._batches(inputs, targets):
-            h = (mlp.act_fn(mlp.gate_proj(x)) * mlp.up(x)).flatten(0, 1).double()  # [tokens, d_ff]
+            h = (mlp.act_fn(mlp.gate_proj(x)) * mlp.up(x)).flatten(0, 1)  # [tokens, d_ff]
             if bias:
                 h = torch.cat([h, torch.ones_like(h[:, :1])], 1)
-            gram += h.T @ h
-            cross += h.T @ y.flatten(0, 1).double()
+            # a chunk's products in fp32 (a few thousand tokens each), summed in fp64: 3x faster than fp64 products
+            gram += (h.T @ h).double()
+            cross += (h.T @ y.flatten(0, 1)).double()
         if self.reduce is not None:
             gram, cross = self.reduce(gram), self.reduce(cross)
         prior = down.weight.T.double()  # [d_ff, d]

@@ -14,6 +14,7 @@ from ..convert import FIRST_TOKEN
 from ..source import DTYPES
 from ..errors import UserError
 from ..generate import Sampling
+from ..neurons import parse_columns
 
 
 class RecipeError(UserError):
@@ -306,6 +307,13 @@ def _validate(recipe: Recipe) -> None:
     if fits and recipe.model.init not in ("calib", "calib-mean"):
         raise RecipeError(f"the local: stages fit calibrated rows, and model.init is {recipe.model.init!r}: set "
                           f"model.init: calib, or turn the stages off (local.sequential false, refit_down 0, epochs 0)")
+    try:
+        columns = parse_columns(recipe.model.columns)
+    except UserError as err:
+        raise RecipeError(f"model.columns: {err}") from None
+    if columns.measured and recipe.model.init not in ("calib", "calib-mean") and not recipe.model.init_from:
+        raise RecipeError(f"model.columns {recipe.model.columns} chooses neurons by their error with calibrated rows, "
+                          f"and model.init is {recipe.model.init!r}: set model.init: calib")
     if recipe.model.first_token not in FIRST_TOKEN:
         raise RecipeError(f"model.first_token {recipe.model.first_token!r} is unknown; choose {' or '.join(FIRST_TOKEN)}")
     if not recipe.model.source:
