@@ -46,6 +46,9 @@ def read_tables(converted: str, ids: torch.Tensor) -> tuple[dict[int, PromptRows
     """({layer: its rows of the sorted `ids`} of a STEM checkpoint written by `convert` or `train`, whether it
     keeps the dense first token). Only those rows are read (`mmap`), whatever the tables weigh."""
     stem, _ = load_model(converted, stem_tables="mmap")
+    if getattr(stem.config, "stem_table_columns", None):  # rows of some neurons, in the STEM MLP's order
+        raise SystemExit(f"{converted}: its tables hold a share of each layer's neurons (config.stem_table_columns); "
+                         f"this benchmark swaps whole layers' rows into the parent: give a model of whole layers")
     tables = {layer: PromptRows(ids, stem.stem_table_rows(layer, ids).float()) for layer in stem.config.stem_layers}
     return tables, bool(getattr(stem.config, "stem_dense_first_token", False))
 

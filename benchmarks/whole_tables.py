@@ -74,7 +74,8 @@ def main():
     args.work.mkdir(parents=True, exist_ok=True)
     try:
         files = write_groups(args.work, groups, args.vocab, args.d_ff)
-        tables = MmapTables(locate_table_groups(files, groups, (args.vocab, args.d_ff)))
+        shapes = {layer: (args.vocab, args.d_ff) for group in groups for layer in group}
+        tables = MmapTables(locate_table_groups(files, groups, shapes))
         table_bytes = args.layers * args.vocab * args.d_ff * 4
         print(f"{args.layers} tables of [{args.vocab}, {args.d_ff}] fp32 in groups of {args.group}: "
               f"{table_bytes / 1e9:.2f} GB of tables")

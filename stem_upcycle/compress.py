@@ -16,12 +16,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table, TableGroup, check_output,
-                      chunk_rows, parse_shard_size, resolve_table_format, table_group_name, table_groups,
+from .convert import (MODELING_DIR, MODELING_FILES, ConversionError, Copy, Table, TableGroup, check_blocks,
+                      check_output, chunk_rows, parse_shard_size, resolve_table_format, table_group_name, table_groups,
                       tensor_order_key, write_tensors)
 from .atomic import write_staged
 from .families import STEM_TABLE_PREFIX, layer_name
 from .loading import stem_tables
+from .modeling.configuration_stem import table_columns
 from .modeling.table_files import is_table_tensor
 from .modeling.table_format import TableFormat
 from .shards import INDEX_NAME, TensorSpec, plan_shards
@@ -81,11 +82,9 @@ def plan_compression(source: Source, table_dtype: str | None, block_size: int | 
     old = {layer: table.format for layer, table in placed.stored.items()}
     if table_dtype is None and len(set(old.values())) > 1:
         raise ConversionError(f"the tables of {source.spec} are stored in several formats; give --table-dtype")
-    widths = {layer: cfg.table_columns(layer) for layer in cfg.stem_layers}
-    new = next(iter(old.values())) if table_dtype is None else resolve_table_format(table_dtype, block_size,
-                                                                                      cfg.intermediate_size)
-    for width in set(widths.values()):  # each table's rows split into the format's blocks
-        resolve_table_format(new.dtype, new.block_size or None, width)
+    widths = {layer: table_columns(cfg, layer) for layer in cfg.stem_layers}
+    new = next(iter(old.values())) if table_dtype is None else resolve_table_format(table_dtype, block_size, None)
+    check_blocks(new, widths)  # each table's rows split into the format's blocks
     groups = _new_groups(source, new, layer_groups)
     if all(f == new for f in old.values()) and groups == cfg.stem_table_groups:
         raise ConversionError(f"the tables of {source.spec} are already {new.describe()}, stored as "
@@ -129,7 +128,7 @@ def run_compression(plan: CompressionPlan, out: Path, overwrite: bool = False, p
               f"theirs: compress the float model for the best rows", file=sys.stderr)
     placed = stem_tables(plan.source)
     cfg = plan.source.config
-    d_ff, widths = cfg.intermediate_size, {layer: cfg.table_columns(layer) for layer in cfg.stem_layers}
+    d_ff, widths = cfg.intermediate_size, {layer: table_columns(cfg, layer) for layer in cfg.stem_layers}
 
     def table_rows(layer):
         return lambda start, stop, chunk: chunk.copy_(placed.read_range(layer, start, stop))

@@ -24,6 +24,7 @@ from .families import (EMBEDDING, LAYER_PREFIX, LM_HEAD, STEM_GATE, STEM_NEURON_
                        STEM_UP_REST, Family, family_for, layer_name)
 from .layers import DEFAULT_LAYERS
 from .neurons import ALL as ALL_COLUMNS, NeuronSplit, column_step, describe_columns
+from .modeling.configuration_stem import table_columns
 from .modeling import StemConfig
 from .modeling.table_files import TABLE_GROUP_PREFIX
 from .modeling.table_format import TableFormat, TableFormatError
@@ -154,7 +155,7 @@ class ConversionPlan:
     def group_columns(self) -> int:
         """The most table columns that share a tensor (a group's, or the widest table's)."""
         cfg = self.config
-        return max(sum(cfg.table_columns(layer) for layer in group)
+        return max(sum(table_columns(cfg, layer) for layer in group)
                    for group in cfg.stem_table_groups or [[layer] for layer in self.layers])
 
     @property
@@ -205,8 +206,8 @@ class ConversionPlan:
         ]
         return "\n".join(lines)
 
-
     def describe_columns(self) -> str:
+        """What became table columns, in a line (in a dry run of a measured choice: how many, not which)."""
         line = describe_columns(self.columns, self.config.intermediate_size, self.layers)
         if self.columns_spec != "all" and self.choice is not None and not self.choice.measured:
             return f"{line}; which neurons, the real run chooses ({self.columns_spec}: each neuron's error as a " \
@@ -287,8 +288,7 @@ def plan_conversion(
         init_options.calibration = choice.calibration
     stem_layers, splits = choice.layers, choice.columns
     widths = choice.table_columns(d_ff)
-    for layer, width in widths.items():
-        resolve_table_format(table_format.dtype, table_format.block_size or None, width)
+    check_blocks(table_format, widths)
     shard_bytes = parse_shard_size(max_shard_size)
     if layer_groups is None and table_format.compressed:  # compressed tables: a tensor (and scales) per table
         groups = None
@@ -481,7 +481,18 @@ def parse_shard_size(max_shard_size: str | int) -> int:
     return max_bytes
 
 
-def resolve_table_format(table_dtype: str, block_size: int | None, d_ff: int) -> TableFormat:
+def check_blocks(table_format: TableFormat, widths: dict[int, int]) -> None:
+    """Each table's columns (`widths`) split into the compressed format's blocks, or a one-line error."""
+    if not table_format.compressed:
+        return
+    block, bad = table_format.block_size, [layer for layer, width in widths.items() if width % table_format.block_size]
+    if bad:
+        raise ConversionError(f"--table-dtype {table_format.dtype}: rows of {widths[bad[0]]} elements (layer {bad[0]}'s "
+                              f"table) do not split into blocks of {block}; give a block size that divides every "
+                              f"table's columns, {math.gcd(*widths.values())} (--table-block)")
+
+
+def resolve_table_format(table_dtype: str, block_size: int | None, d_ff: int | None) -> TableFormat:
     try:
         return TableFormat.of(table_dtype, block_size, d_ff)
     except TableFormatError as err:
@@ -566,7 +577,7 @@ def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, pro
 
 def _write_weights(plan: ConversionPlan, directory: Path, progress: bool) -> None:
     init = INITIALISERS[plan.init](plan.init_target, plan.init_options, progress=progress)  # calibrating inits read their data here
-    widths = {layer: plan.config.table_columns(layer) for layer in plan.layers}
+    widths = {layer: table_columns(plan.config, layer) for layer in plan.layers}
     write_tensors(plan.specs, plan.producers, plan.shards, plan.source.tensors, init.table_rows, plan.table_format,
                   widths, plan.chunk_rows, directory, progress, init.dense_weights)
     if init.dense_weights:  # what the fit did, for the model card and the benchmarks
@@ -597,7 +608,8 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
             elif isinstance(producer, TableGroup):  # float rows only: nothing written later
                 group = [widths[layer] for layer in producer.layers]
                 fill = side_by_side([table_rows(layer) for layer in producer.layers], group)
-                _write_table(fill, spec, producer, table_format, sum(group), max(1, chunk_rows // len(group)), writer)
+                rows = max(1, chunk_rows * max(widths.values()) // sum(group))  # as many bytes as a widest table's chunk
+                _write_table(fill, spec, producer, table_format, sum(group), rows, writer)
             elif replaced and spec.name in replaced:
                 writer.submit(spec.name, replaced[spec.name].to(spec.dtype))
             elif isinstance(producer, Constant):

@@ -357,7 +357,7 @@ def edited_rows(plan: EditPlan, read_parts, format_of) -> dict[int, tuple[torch.
     for layer in plan.layers:
         table_format = format_of(layer)
         parts = read_parts(layer, torch.tensor(needed))
-        decoded = table_format.decode(parts, torch.float32)  # [len(needed), d_ff]
+        decoded = table_format.decode(parts, torch.float32)  # [len(needed), k]
         new = []
         for s in sources.tolist():
             if len(reads[s]) == 1 and reads[s][0][1] == 1.0:

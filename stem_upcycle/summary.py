@@ -3,7 +3,8 @@
 import math
 from dataclasses import asdict, dataclass
 
-from .families import EMBEDDING, STEM_UP, family_for, layer_name
+from .families import EMBEDDING, STEM_NEURON_ORDER, STEM_UP, family_for, layer_name
+from .modeling.configuration_stem import table_columns
 from .modeling.stem_tables import DEFAULT_CACHE_ROWS
 from .modeling.table_files import is_table_tensor
 from .modeling.table_format import TableFormat
@@ -91,7 +92,8 @@ def summarize(source: Source) -> Summary:
     family_for(family_name)  # a clear error for architectures we know nothing about
     stem_layers = list(cfg.stem_layers) if is_stem else []
     tensors = source.tensors
-    total = sum(math.prod(tensors.shape(n)) for n in tensors.names())
+    # a layer's neuron_order (`--columns`) records where its neurons came from: no parameter
+    total = sum(math.prod(tensors.shape(n)) for n in tensors.names() if not n.endswith(STEM_NEURON_ORDER))
     vocab, d, d_ff = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
     # A token reads one row of the embedding and of each table; a tied head still reads all of E.
     tied_head = vocab * d if getattr(cfg, "tie_word_embeddings", False) and EMBEDDING in tensors else 0
@@ -103,7 +105,7 @@ def summarize(source: Source) -> Summary:
     # first token only.
     unread += sum(math.prod(tensors.shape(n)) for i in stem_layers if (n := layer_name(i, STEM_UP + ".weight")) in tensors)
     layers = cfg.num_hidden_layers
-    columns = {i: cfg.table_columns(i) for i in stem_layers}
+    columns = {i: table_columns(cfg, i) for i in stem_layers}
     dense_flops = 2 * 3 * d * d_ff * layers  # gate, up, down: one multiply-add each per weight
     flops = dense_flops - 2 * d * sum(columns.values())  # the table columns' up-projection became a lookup
     table_bytes = sum(tensors.nbytes(n) for n in tables)
@@ -141,7 +143,7 @@ def _table_format(config, tensors, tables: list[str]) -> str:
 
 def describe_widths(config) -> str:
     """The tables' widths for a line: d_ff for whole layers, else each distinct width (`config.table_columns`)."""
-    widths = sorted({config.table_columns(layer) for layer in config.stem_layers})
+    widths = sorted({table_columns(config, layer) for layer in config.stem_layers})
     return "/".join(map(str, widths))
 
 

@@ -13,6 +13,7 @@ import torch
 
 from .errors import UserError
 from .families import STEM_NEURON_ORDER, family_for, layer_name
+from .modeling.configuration_stem import table_columns
 
 PERCENTILES = (5, 50, 95)
 BINS = 50  # histogram of |cos| over [0, 1], kept for the plot and the JSON
@@ -41,7 +42,7 @@ def seeded_sample(population: int, size: int, seed: int) -> torch.Tensor:
 
 
 def chunks(tables, layer: int):
-    """(first row, rows [<= CHUNK_ROWS, d_ff] in fp32) over a whole table, read a chunk at a time."""
+    """(first row, rows [<= CHUNK_ROWS, k] in fp32) over a whole table, read a chunk at a time."""
     vocab = tables.stored[layer].shape[0]
     for start in range(0, vocab, CHUNK_ROWS):
         yield start, tables.read_range(layer, start, min(start + CHUNK_ROWS, vocab)).float()
@@ -79,7 +80,7 @@ def table_neurons(source, layers) -> dict[int, torch.Tensor]:
     for layer in layers:
         name = layer_name(layer, STEM_NEURON_ORDER)
         if name in source.tensors:
-            found[layer] = source.tensors.get(name)[: source.config.table_columns(layer)].long()
+            found[layer] = source.tensors.get(name)[: table_columns(source.config, layer)].long()
     return found
 
 

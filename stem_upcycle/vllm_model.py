@@ -35,6 +35,7 @@ from vllm.platforms import current_platform
 from vllm.utils.platform_utils import is_uva_available
 from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
+from .modeling.configuration_stem import table_columns
 from .modeling.modeling_stem import placement_of_config
 from .modeling.stem_tables import HANDLES, custom_op, handle, placed_rows
 from .modeling.table_files import StemTablesError, is_table_tensor
@@ -52,7 +53,7 @@ class BatchIds:
 
 
 def _first_token_up(x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, mlp: int) -> torch.Tensor:
-    """`rows` [n, d_ff / tp] with the dense up-projection of x [n, d] at the tokens at position 0, by the `up_proj`
+    """`rows` [n, k / tp] with the dense up-projection of x [n, d] at the tokens at position 0, by the `up_proj`
     of the StemMLP with handle `mlp` (a module, not its weight: vLLM may repack a layer's weight for its kernels).
     An op: how many such tokens a batch holds is known only from the data."""
     (first,) = (positions == 0).nonzero(as_tuple=True)
@@ -95,7 +96,8 @@ def _reordered(param: nn.Parameter, order: torch.Tensor | None, axis: int) -> No
     """Make `param`'s weight loader take the checkpoint's tensor in `order` along `axis` (`rank_order`)."""
     if order is not None:
         load = param.weight_loader
-        param.weight_loader = lambda param, loaded, *args: load(param, loaded.index_select(axis, order), *args)
+        param.weight_loader = lambda param, loaded, *args: load(param, loaded.index_select(axis, order.to(loaded.device)),
+                                                                *args)
 
 
 class TableColumns(nn.Module):
@@ -175,7 +177,7 @@ class StemMLP(nn.Module):
     def __init__(self, config, layer: int, rows: nn.Module, batch: BatchIds, quant_config, prefix: str):
         super().__init__()
         hidden, d_ff, bias = config.hidden_size, config.intermediate_size, config.stem_mlp_bias
-        k = config.table_columns(layer)
+        k = table_columns(config, layer)
         order = rank_order(d_ff, k)
         self.gate_proj = ColumnParallelLinear(hidden, d_ff, bias=bias, quant_config=quant_config,
                                               prefix=f"{prefix}.gate_proj")
@@ -236,7 +238,7 @@ class _StemLayers:
         groups = {}
         if placement is None and config.stem_table_groups:
             inner.stem_table_groups = nn.ModuleList([
-                TableColumns(config.vocab_size, [config.table_columns(layer) for layer in group], host)
+                TableColumns(config.vocab_size, [table_columns(config, layer) for layer in group], host)
                 for group in config.stem_table_groups])
             groups = {layer: GroupColumns(inner.stem_table_groups[k], i)
                       for k, group in enumerate(config.stem_table_groups) for i, layer in enumerate(group)}
@@ -244,7 +246,7 @@ class _StemLayers:
             if placement is not None:
                 rows = PlacedRows(placement, index, vllm_config.model_config.dtype)
             else:
-                rows = groups.get(index) or TableColumns(config.vocab_size, [config.table_columns(index)], host=host)
+                rows = groups.get(index) or TableColumns(config.vocab_size, [table_columns(config, index)], host=host)
             layer = inner.layers[index]
             layer.mlp = StemMLP(config, index, rows, batch, vllm_config.quant_config,
                                 maybe_prefix(prefix, f"model.layers.{index}.mlp"))

@@ -160,10 +160,14 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
     from stem_upcycle.loading import model_from_source, resolve_device
     from stem_upcycle.source import open_source
     from stem_upcycle.table_init import INITIALISERS, FitOptions, InitOptions
+    from stem_upcycle.neurons import parse_columns
     from stem_upcycle.table_init.layer_choice import is_auto
+    from stem_upcycle.table_init.row_choice import check_columns
 
     device = resolve_device(device)
     src = open_source(source)
+    # --columns checked before the dense model is loaded and any text sampled (a dry run too, as the real run)
+    check_columns(parse_columns(columns), init, src.config.intermediate_size, src.config.num_hidden_layers, 1)
     fit = FitOptions(sequential=sequential, refit_down=refit_down, epochs=local_epochs)
     options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, fit=fit)
     reads_text = INITIALISERS[init].needs_data or is_auto(layers) or columns != ALL_COLUMNS or calib_generate
@@ -188,7 +192,8 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
              "--dtype", dtype, "--table-dtype", plan.table_format.dtype, "--max-shard-size", str(max_shard_size)]
     if plan.table_format.compressed:
         words += ["--table-block", str(plan.table_format.block_size)]
-    words += ["--layer-groups", str(plan.layer_groups)]
+    if layer_groups is not None:  # the default's groups follow from the layers and their columns
+        words += ["--layer-groups", str(layer_groups)]
     if calib_data or calib_generate:
         words += [w for f in calib_data for w in ("--calib-data", f)]
         words += ["--calib-tokens", str(calib_tokens), "--calib-generate", str(calib_generate),

@@ -341,6 +341,12 @@ def test_edit_inspect_and_train_plan_read_the_table_columns(formats, tmp_path):
     plan = run("train", recipe, "--output", tmp_path / "t", "--plan")
     assert plan.exit_code == 0, plan.output
     assert "2 x [96, k], 48 columns in all" in plan.output
+    # converting model.source: the tables of a third of every layer's neurons, planned without measuring them
+    recipe.write_text(f"model: {{source: {tmp_path / 'dense'}, layers: all, columns: 1/3}}\n"
+                      f"data: {{train: [{recipe}]}}\n")
+    plan = run("train", recipe, "--output", tmp_path / "t", "--plan")
+    assert plan.exit_code == 0, plan.output
+    assert "tables [96, k: 48 columns in all]" in plan.output and "3 x [96, k], 48 columns in all" in plan.output
 
 
 def test_a_recipe_names_its_columns_and_a_bad_one_is_one_line(tmp_path):
@@ -353,3 +359,21 @@ def test_a_recipe_names_its_columns_and_a_bad_one_is_one_line(tmp_path):
         load_recipe(recipe, ["model.columns=third"])
     with pytest.raises(RecipeError, match="set model.init: calib"):
         load_recipe(recipe, ["model.init=closed-form"])
+
+
+def test_bad_columns_are_one_line_before_anything_is_computed(calib_dense, tmp_path, monkeypatch):
+    """Refused before the dense model loads (the loader refuses to run here) and nothing is written."""
+    import stem_upcycle.loading
+
+    _, src, calib = calib_dense
+    monkeypatch.setattr(stem_upcycle.loading, "model_from_source", lambda *a, **k: pytest.fail("the model loaded"))
+    out = tmp_path / "out"
+    cases = {("--columns", "third", "--init", "calib", "--calib-data", calib): "--columns 'third' is not understood",
+             ("--columns", "1/3"): "use --init calib (or calib-mean)",
+             ("--columns", "1/3", "--dry-run"): "use --init calib (or calib-mean)",
+             ("--columns", "64", "--init", "calib", "--calib-data", calib): "a layer has 48 intermediate neurons",
+             ("--columns", "auto:1/1000", "--init", "calib", "--calib-data", calib): "gives no layer a table column"}
+    for args, message in cases.items():
+        result = run("convert", src, out, "--layers", "all", *args)
+        assert result.exit_code == 1 and message in result.output, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1 and not out.exists()

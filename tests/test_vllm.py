@@ -202,6 +202,31 @@ def test_a_share_of_each_layers_neurons_as_table_columns_serves_the_greedy_text_
 
 
 @pytest.mark.parametrize("tables", [None, "mmap"])
+def test_a_folder_exported_before_per_neuron_tables_is_served_with_its_own_configuration_class(tables, tmp_path):
+    """vLLM reads the folder's config with the folder's own configuration class (its remote code), which for a model
+    exported before `stem_table_columns` (tests/data, made at 1e5b8a9) has no methods for it: the plugin's model
+    reads the config with functions of any config, and serves the greedy text of Transformers."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from .conftest import save_tiny_tokenizer
+
+    path = tmp_path / "before"
+    shutil.copytree(ROOT / "tests" / "data" / "whole_layers_before_columns", path)
+    assert "table_columns" not in (path / "configuration_stem.py").read_text()
+    save_tiny_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, stem_tables="memory").eval()
+    prompts = ["w1 w5 w9 w13", "w40 w2", "w7"]
+    expected = {}
+    for prompt in prompts:
+        ids = torch.tensor([[int(word[1:]) for word in prompt.split()]])
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        expected[prompt] = out[0, ids.shape[1]:].tolist()
+    assert vllm_greedy(path, tables, max_model_len=64, prompts=prompts) == expected
+
+
+@pytest.mark.parametrize("tables", [None, "mmap"])
 def test_tables_a_tensor_per_table_serve_the_same_greedy_text(converted, tables):
     """The converted tables lie in one group of layers (`config.stem_table_groups`, convert's default, held as read
     in memory); stored a tensor per table (`compress --layer-groups 1`), vLLM loads them as parameters by name (the

@@ -31,7 +31,7 @@ class StemConfig(PretrainedConfig):
             dtype their files hold.
         stem_table_groups: STEM layers whose tables are stored side by side, a list of lists of layers:
             a token's rows of a group's layers lie next to each other, in one tensor
-            `model.stem_table_groups.K.weight` [vocab, len(group) x intermediate_size], so that a
+            `model.stem_table_groups.K.weight` [vocab, the sum of their columns], so that a
             forward reads them in one read, not one per layer (`stem-upcycle convert --layer-groups`, 5 by
             default); "memory" and "host" read each layer's columns. None: each table its own tensor.
         stem_table_columns: per STEM layer ("layer": k), how many of its intermediate neurons are table columns:
@@ -76,17 +76,10 @@ class StemConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
     def table_columns(self, layer: int) -> int:
-        """Columns of STEM layer `layer`'s table: its intermediate neurons whose up-projection is a row."""
-        return int((self.stem_table_columns or {}).get(str(layer), self.intermediate_size))
+        return table_columns(self, layer)
 
     def table_offsets(self) -> dict[int, tuple[int, int]]:
-        """Per STEM layer, (first, stop) of its columns among every STEM layer's columns side by side, in layer
-        order: where a layer's rows lie in what reads every layer's rows at once (`rows_of_layers`)."""
-        offsets, start = {}, 0
-        for layer in self.stem_layers:
-            offsets[layer] = (start, start + self.table_columns(layer))
-            start += self.table_columns(layer)
-        return offsets
+        return table_offsets(self)
 
     def save_pretrained(self, *args, **kwargs):
         # Difference from PretrainedConfig: the load-time choices are saved at their defaults, so that a model
@@ -99,3 +92,20 @@ class StemConfig(PretrainedConfig):
         finally:
             for key, value in chosen.items():
                 setattr(self, key, value)
+
+
+# Functions of any STEM config, not methods alone: vLLM serves a folder with the folder's own configuration class (its
+# remote code) and this package's model, and a folder exported before `stem_table_columns` has a class without them.
+def table_columns(config, layer: int) -> int:
+    """Columns of STEM layer `layer`'s table: its intermediate neurons whose up-projection is a row."""
+    return int((getattr(config, "stem_table_columns", None) or {}).get(str(layer), config.intermediate_size))
+
+
+def table_offsets(config) -> dict[int, tuple[int, int]]:
+    """Per STEM layer, (first, stop) of its columns among every STEM layer's columns side by side, in layer order:
+    where a layer's rows lie in what reads every layer's rows at once (`rows_of_layers`, `first_token_ups`)."""
+    offsets, start = {}, 0
+    for layer in sorted(config.stem_layers):
+        offsets[layer] = (start, start + table_columns(config, layer))
+        start = offsets[layer][1]
+    return offsets

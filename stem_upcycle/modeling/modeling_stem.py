@@ -26,7 +26,7 @@ from transformers.generation import GenerationMixin
 from transformers.models.auto import modeling_auto
 import transformers
 
-from .configuration_stem import StemConfig
+from .configuration_stem import StemConfig, table_columns, table_offsets
 from .forward_ids import ForwardIds, IdHandoff, RowEdit, cached_length, check_ids, first_token_mask, first_tokens
 from .stem_tables import (HANDLES, ROWS_AT_ONCE, MappedLinear, PlacedTable, custom_op, handle, open_tables,
                           rows_of_layers)
@@ -45,7 +45,7 @@ class MemoryTable(nn.Embedding):
 
 class TableGroup(nn.Embedding):
     """The `memory` placement of the tables of a group of layers (`config.stem_table_groups`): one parameter
-    [vocab, len(group) x d_ff], named as the checkpoint names it (`model.stem_table_groups.K.weight`), so that
+    [vocab, the sum of its layers' columns], named as the checkpoint names it (`model.stem_table_groups.K.weight`), so that
     Transformers' and vLLM's loaders fill it by name, a device map places (or offloads) it as any module, and
     save_pretrained writes the layout the config describes. Each layer reads its columns through `GroupColumns`."""
 
@@ -89,7 +89,7 @@ def fit_ridge(x: torch.Tensor, y: torch.Tensor, strength: float = 1e-3) -> tuple
 
 
 def _resized_table(table: MemoryTable, embedding: torch.Tensor, old: int, new: int) -> MemoryTable:
-    """`table` [old, d_ff] cut or grown to [new, d_ff]. A new row is a ridge fit of the rows on the
+    """`table` [old, k] cut or grown to [new, k]. A new row is a ridge fit of the rows on the
     embedding rows of up to 8192 evenly spaced old tokens, applied to the new token's embedding."""
     resized = MemoryTable(new, table.weight.shape[1], device=table.weight.device, dtype=table.weight.dtype)
     kept = min(old, new)
@@ -97,7 +97,7 @@ def _resized_table(table: MemoryTable, embedding: torch.Tensor, old: int, new: i
         resized.weight[:kept] = table.weight[:kept]
         if new > old:
             sample = torch.linspace(0, old - 1, min(old, 8192), device=embedding.device).long()
-            weight, bias = fit_ridge(embedding[sample].float(), table.weight[sample].float())  # [d, d_ff], [d_ff]
+            weight, bias = fit_ridge(embedding[sample].float(), table.weight[sample].float())  # [d, k], [k]
             added = torch.addmm(bias, embedding[old:new].float(), weight)
             resized.weight[old:] = added.to(resized.weight.dtype)
     resized.weight.requires_grad_(table.weight.requires_grad)
@@ -166,7 +166,7 @@ def ups_of_first_token(base: nn.Module, token: int, dtype: torch.dtype) -> torch
                 hook.remove()
         kept = base.stem_first_token_ups[token, dtype] = (versions, torch.cat([
             ups[i][0].to(device, dtype) if i in ups
-            else torch.zeros(base.config.table_columns(i), dtype=dtype, device=device) for i in layers]))
+            else torch.zeros(table_columns(base.config, i), dtype=dtype, device=device) for i in layers]))
     return kept[1]
 
 
@@ -201,8 +201,8 @@ class StemMLP(nn.Module):
         self.up_table = up_table
         self.token_ids = token_ids
         self.layer = layer  # the decoder layer's index, which run-time edits name
-        self.up_proj = up_proj  # the table columns' dense up-projection, for the first tokens only (None: rows there too)
-        self.up_rest = up_rest  # the dense up-projection of the neurons that are no table columns (None: there are none)
+        self.up_proj = up_proj  # the table columns' dense up-projection, for first tokens only (None: rows there too)
+        self.up_rest = up_rest  # the dense up-projection of the neurons that are no table columns (None: none are)
         if neuron_order is not None:  # the parent's index of each intermediate neuron (table columns first): saved
             self.register_buffer("neuron_order", neuron_order)  # with the weights, for a hand-off from the parent
         handle(self, "mlp")
@@ -213,7 +213,8 @@ class StemMLP(nn.Module):
 
     @classmethod
     def from_config(cls, config: StemConfig, up_table, token_ids: IdHandoff, layer: int) -> "StemMLP":
-        bias, d, d_ff, k = config.stem_mlp_bias, config.hidden_size, config.intermediate_size, config.table_columns(layer)
+        bias, d, d_ff = config.stem_mlp_bias, config.hidden_size, config.intermediate_size
+        k = table_columns(config, layer)
         gate = nn.Linear(d, d_ff, bias=bias)
         down = nn.Linear(d_ff, d, bias=bias)
         up = nn.Linear(d, k, bias=bias) if config.stem_dense_first_token else None
@@ -404,14 +405,14 @@ class _StemDispatch:
         base.stem_first_token_ups = {}  # (token, dtype) -> (parameters' versions, its ups: `ups_of_first_token`)
         # each STEM layer's columns among every layer's side by side, and their sum (a compiled small forward's
         # layout of every layer's rows and first-token up-projections: `rows_of_layers`, `first_token_ups`)
-        base.stem_table_offsets = self.config.table_offsets()
+        base.stem_table_offsets = table_offsets(self.config)
         base.stem_table_width = sum(stop - start for start, stop in base.stem_table_offsets.values())
         handle(base, "model")
         loading = hasattr(_loading, "placement")
         placement = base.stem_tables_placement = _loading.placement if loading else placement_of_config(self.config)
         columns = {}  # layer -> (its group, its columns of the group's rows)
         if placement is None and self.config.stem_table_groups:  # memory: the groups' parameters, named as stored
-            widths = [[self.config.table_columns(layer) for layer in group] for group in self.config.stem_table_groups]
+            widths = [[table_columns(self.config, layer) for layer in group] for group in self.config.stem_table_groups]
             base.stem_table_groups = nn.ModuleList(
                 [TableGroup(self.config.vocab_size, sum(group)) for group in widths])
             columns = {layer: (base.stem_table_groups[k], (sum(widths[k][:i]), sum(widths[k][: i + 1])))
@@ -419,7 +420,7 @@ class _StemDispatch:
         for index in self.config.stem_layers:
             if placement is None:
                 table = (GroupColumns(*columns[index]) if index in columns
-                         else MemoryTable(self.config.vocab_size, self.config.table_columns(index)))
+                         else MemoryTable(self.config.vocab_size, table_columns(self.config, index)))
             else:
                 table = PlacedTable(placement, index)
             base.layers[index].mlp = StemMLP.from_config(self.config, table, base.stem_token_ids, index)
@@ -462,7 +463,7 @@ class _StemDispatch:
         self.base_model.stem_token_ids.edit = edit
 
     def stem_table_rows(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """[n, d_ff] rows of `ids` [n] in the table of STEM layer `layer`, wherever it is placed: as
+        """[n, k] rows of `ids` [n] in the table of STEM layer `layer`, wherever it is placed: as
         stored (float tables), or decoded to float32 (compressed ones)."""
         return self._table_of(layer).read_rows(layer, ids.cpu())
 
@@ -485,7 +486,7 @@ class _StemDispatch:
         self._table_of(layer).set_parts(layer, ids.cpu(), parts)
 
     def set_stem_table_rows(self, layer: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Make `rows` [n, d_ff] the rows of `ids` [n] in the table of STEM layer `layer` (a persistent
+        """Make `rows` [n, k] the rows of `ids` [n] in the table of STEM layer `layer` (a persistent
         knowledge edit of the loaded model): a parameter's rows are written; placed tables keep them
         in memory over their files (mmap) or write host memory and drop the rows from the device
         cache (host), so that no read serves the old rows."""

@@ -29,6 +29,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from .configuration_stem import table_columns
 from .forward_ids import ForwardIds, check_ids
 from .table_files import (StemTablesError, StoredTable, TableFile, advise_rows, checkpoint_files, locate_table_groups,
                           locate_tables, locate_tensor, read_columns, read_rows, read_whole, runs_of, stored_tensors)
@@ -803,7 +804,7 @@ def open_tables(path, config, hub_kwargs: dict):
     tables = locate_stem_tables(files, config, config.stem_layers, headers)
     placement = open_placement("mmap" if requested == "auto" else requested, tables, config.stem_cache_rows)
     if isinstance(placement, MmapTables) and config.stem_dense_first_token:
-        shapes = {layer: (config.table_columns(layer), config.hidden_size) for layer in config.stem_layers}
+        shapes = {layer: (table_columns(config, layer), config.hidden_size) for layer in config.stem_layers}
         placement.leave_first_token_up({
             layer: (locate_tensor(files, f".layers.{layer}.mlp.up_proj.weight", shapes[layer], headers),
                     locate_tensor(files, f".layers.{layer}.mlp.up_proj.bias", shapes[layer][:1], headers)
@@ -815,7 +816,7 @@ def open_tables(path, config, hub_kwargs: dict):
 def locate_stem_tables(files: dict[str, str], config, layers, headers: dict | None = None) -> dict[int, StoredTable]:
     """Per STEM layer of `layers`, where its table lies in the checkpoint's files (`files`: tensor name ->
     file), each its own tensor or a share of its group's (`config.stem_table_groups`)."""
-    shapes = {layer: (config.vocab_size, config.table_columns(layer)) for layer in config.stem_layers}
+    shapes = {layer: (config.vocab_size, table_columns(config, layer)) for layer in config.stem_layers}
     groups = getattr(config, "stem_table_groups", None)
     if not groups:
         return locate_tables(files, table_names(files, layers), shapes, TableFormat.from_config(config), headers)

@@ -7,7 +7,8 @@ A compressed table of layer L is two plain safetensors tensors next to each othe
                                                            element in the low nibble)
     model.layers.L.mlp.up_table.scales   [vocab, d_ff / block] float16
 
-and `config.stem_table_format` = {"dtype": ..., "block_size": ...}. Row r is
+(d_ff: a row's elements, the table's columns: k where a layer's table holds some of its neurons,
+`config.stem_table_columns`) and `config.stem_table_format` = {"dtype": ..., "block_size": ...}. Row r is
 qweight[r] * scales[r] repeated over each block of `block_size` elements: symmetric, no offsets, so
 every format decodes the same way. A row is decoded alone, from its own bytes, which is what lets
 every placement read and dequantise only the rows a forward uses.
@@ -23,6 +24,8 @@ Exported next to the weights, so it imports only torch.
 from dataclasses import dataclass
 
 import torch
+
+from .configuration_stem import table_columns
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Compressed dtypes: the largest magnitude of a stored value, and the default block size.
@@ -66,7 +69,7 @@ class TableFormat:
         spec = getattr(config, "stem_table_format", None)
         if not spec:
             return None
-        for width in {config.table_columns(layer) for layer in config.stem_layers}:  # each table's rows, checked
+        for width in {table_columns(config, layer) for layer in config.stem_layers}:  # each table's rows, checked
             cls.of(spec["dtype"], spec.get("block_size"), width)
         return cls.of(spec["dtype"], spec.get("block_size"))
 

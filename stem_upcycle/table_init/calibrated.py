@@ -111,9 +111,9 @@ class CalibratedInit(ClosedFormInit):
         self.windows = calibration_windows(self.source, options)
         if scoring := options.scoring_windows:  # kept out of the calibration (--layers auto)
             if len(self.windows) <= 2 * scoring:
-                raise CalibrationError(f"--layers auto scores each layer on {scoring} windows kept out of the "
-                                       f"calibration; give more than {2 * scoring * self.windows.shape[1]} "
-                                       f"calibration tokens")
+                raise CalibrationError(f"choosing what becomes rows (--layers auto:, --columns) scores on {scoring} "
+                                       f"windows kept out of the calibration; give more than "
+                                       f"{2 * scoring * self.windows.shape[1]} calibration tokens")
             picked = torch.linspace(0, len(self.windows) - 1, scoring).round().long()  # spread over every text
             kept = torch.ones(len(self.windows), dtype=torch.bool)
             kept[picked] = False

@@ -35,8 +35,6 @@ def column_costs(model, calibrated, family: Family, config, layers: list[int], w
     tensors = calibrated.source.tensors
     activation = ACT2FN[config.stem_activation]
     skip = skipped_positions(config)  # a dense first token reads no row
-    weights = {layer: {k: None if v is None else v.to(device, torch.float32)
-                       for k, v in mlp_projections(tensors, family, layer).items()} for layer in layers}
     sums = {layer: torch.zeros(config.intermediate_size, dtype=torch.float64, device=device) for layer in layers}
     current, counted = {}, [0]
 
@@ -44,7 +42,9 @@ def column_costs(model, calibrated, family: Family, config, layers: list[int], w
         @in_fp32
         def hook(module, args):
             x = args[0][:, skip:].float().flatten(0, 1)  # [tokens, d]
-            w = weights[layer]
+            # one layer's weights in fp32 at a time (a bf16 source's every layer at once would be a copy of them all)
+            w = {k: None if v is None else v.to(device, torch.float32)
+                 for k, v in mlp_projections(tensors, family, layer).items()}
             gate = activation(torch.nn.functional.linear(x, w["gate"], w["gate_bias"]))  # [tokens, d_ff]
             up = torch.nn.functional.linear(x, w["up"], w["up_bias"])
             rows = calibrated.rows_for(layer, current["unique"]).to(device)[current["inverse"]]  # [tokens, d_ff]

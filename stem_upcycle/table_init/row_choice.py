@@ -47,9 +47,7 @@ def choose_rows(source, family: Family, config, layers: str, columns: str, init:
     """The conversion's choice of rows for `--layers LAYERS --columns COLUMNS`; `config`: a STEM config of the
     source (the activation, the first-token rule), `step`: the multiple table columns come in (`column_step`)."""
     dense, spec = source.config, parse_columns(columns)
-    if spec.measured and not INITIALISERS[init].needs_data:
-        raise ColumnSpecError(f"--columns {columns} chooses neurons by their error with calibrated rows: use --init "
-                              f"calib (or calib-mean) with --calib-data")
+    check_columns(spec, init, dense.intermediate_size, dense.num_hidden_layers, step, dry_run)
     choice = RowChoice([])
     if is_auto(layers) and dry_run:  # sizes depend on the count alone: no calibration, no measurement
         check_auto(layers, init)
@@ -66,7 +64,7 @@ def choose_rows(source, family: Family, config, layers: str, columns: str, init:
     if dry_run:  # as many columns as the real run gives the layers on average, in no particular neurons
         costs = {layer: torch.zeros(d_ff) for layer in choice.layers}
         even = dataclasses.replace(spec, spread=False)
-        splits = choose_columns(even, costs, step)
+        splits = {layer: s for layer, s in choose_columns(even, costs, step).items() if s.columns < d_ff}
         return dataclasses.replace(choice, columns=splits, measured=False)
     calibrated, model = choice.calibration, options.dense_model
     if calibrated is None:  # every converted layer calibrated whole, windows kept out to score the neurons on
@@ -83,6 +81,20 @@ def choose_rows(source, family: Family, config, layers: str, columns: str, init:
     # layers given no column stay dense; the rows are calibrated again, on every window, for the chosen columns
     return RowChoice(sorted(splits), {layer: s for layer, s in splits.items() if s.columns < d_ff},
                      layer_costs=choice.layer_costs, fact_costs=choice.fact_costs)
+
+
+def check_columns(spec, init: str, d_ff: int, layers: int, step: int, dry_run: bool = False) -> None:
+    """`--columns` refused in one line before anything is computed: a choice that measures without calibrated rows
+    (a dry run plans sizes alone: `train --plan` plans any init as closed-form), more neurons than a layer has, a
+    share of all layers' neurons that rounds to none."""
+    if spec.measured and not INITIALISERS[init].needs_data and not dry_run:
+        raise ColumnSpecError(f"--columns {spec.text} chooses neurons by their error with calibrated rows: use --init "
+                              f"calib (or calib-mean) with --calib-data")
+    if spec.count is not None and spec.count > d_ff:
+        raise ColumnSpecError(f"--columns {spec.text}: a layer has {d_ff} intermediate neurons; give at most that many")
+    if spec.spread and round(spec.share * d_ff * layers / step) == 0:
+        raise ColumnSpecError(f"--columns {spec.text} gives no layer a table column (they come in multiples of "
+                              f"{step}); give a larger share")
 
 
 def calibrated_model(calibrated, source):

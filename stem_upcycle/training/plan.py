@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from ..errors import UserError
+from ..modeling.configuration_stem import table_columns
 from ..modeling.table_files import is_table_tensor
 from ..table_init.protocol import FitOptions
 from .recipe import Recipe, bf16_autocast, check_batch
@@ -89,6 +90,7 @@ class TrainingPlan:
     launch: Launch
     layers: list[int]
     shape: tuple[int, int, int, int]  # vocab, hidden, intermediate, decoder layers
+    columns: int  # every table's columns together (layers x intermediate for whole layers)
     device: list[Line] = field(default_factory=list)  # per process, on its device
     host: list[Line] = field(default_factory=list)  # per machine, host memory
     disk: list[Line] = field(default_factory=list)  # OUTPUT's file system
@@ -110,8 +112,9 @@ class TrainingPlan:
                + f", {launch.device}" + (", bf16 autocast" if self.bf16 else ", fp32"))
         device, host, disk = self.totals()
         where = "GPU" if launch.device == "cuda" else "host memory, on top of the machine's share below"
+        width = f"{d_ff}" if self.columns == len(self.layers) * d_ff else f"k: {self.columns} columns in all"
         out = [f"plan: {self.recipe.model.source}, STEM layers {','.join(map(str, self.layers))} ({len(self.layers)} of "
-               f"{n}), tables [{vocab}, {d_ff}]; {how}",
+               f"{n}), tables [{vocab}, {width}]; {how}",
                f"each process ({where}):"]
         out += [_row(line) for line in self.device] + [_row(Line("total", device))]
         out += ["each machine (host memory):"] + [_row(line) for line in self.host] + [_row(Line("total", host))]
@@ -177,7 +180,7 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
     if m.init_from:
         student = open_source(m.init_from)
         layers = list(student.config.stem_layers)
-        columns = sum(student.config.table_columns(layer) for layer in layers)  # every table's, side by side
+        columns = sum(table_columns(student.config, layer) for layer in layers)  # every table's, side by side
         tensors = {n: student.tensors.shape(n) for n in student.tensors.names()}
         converting = None
     else:
@@ -185,7 +188,7 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
         conversion = plan_conversion(source, layers=m.layers, init="closed-form", dtype="float32",
                                      first_token=m.first_token, dry_run=True, columns=m.columns)
         layers = conversion.layers
-        columns = sum(conversion.config.table_columns(layer) for layer in layers)
+        columns = sum(table_columns(conversion.config, layer) for layer in layers)
         tensors = {s.name: s.shape for s in conversion.specs}
         # the peak of the conversion itself, with the recipe's init and layer fit (convert's own estimate)
         options = dataclasses.replace(conversion.init_options, calib_tokens=m.calib_tokens,
@@ -194,7 +197,7 @@ def plan_training(recipe: Recipe, launch: Launch, source, distinct_rows: int | N
     config = source.config
     vocab, hidden, d_ff, n = config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers
     check_batch(t, launch.world)
-    plan = TrainingPlan(recipe, launch, layers, (vocab, hidden, d_ff, n), converting=converting)
+    plan = TrainingPlan(recipe, launch, layers, (vocab, hidden, d_ff, n), columns, converting=converting)
     teacher = sum(math.prod(source.tensors.shape(name)) for name in source.tensors.names())
     dense = {name: math.prod(shape) for name, shape in tensors.items() if not is_table_tensor(name)}
     trainable = sum(count for name, count in dense.items() if is_trainable(name, t.trainable, layers))

@@ -311,7 +311,11 @@ def _validate(recipe: Recipe) -> None:
         columns = parse_columns(recipe.model.columns)
     except UserError as err:
         raise RecipeError(f"model.columns: {err}") from None
-    if columns.measured and recipe.model.init not in ("calib", "calib-mean") and not recipe.model.init_from:
+    if columns.measured and recipe.model.init_from:
+        raise RecipeError(f"model.columns {recipe.model.columns} applies to a conversion of model.source, and "
+                          f"model.init_from {recipe.model.init_from} is converted already (its columns are its own): "
+                          f"drop model.columns or model.init_from")
+    if columns.measured and recipe.model.init not in ("calib", "calib-mean"):
         raise RecipeError(f"model.columns {recipe.model.columns} chooses neurons by their error with calibrated rows, "
                           f"and model.init is {recipe.model.init!r}: set model.init: calib")
     if recipe.model.first_token not in FIRST_TOKEN:

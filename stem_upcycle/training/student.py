@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..families import family_for
 from ..table_init.closed_form import mlp_projections
+from ..modeling.configuration_stem import table_columns
 from ..modeling.modeling_stem import StemMLP
 from ..modeling.stem_tables import MappedLinear
 from .recipe import RecipeError
@@ -66,7 +67,7 @@ def attach_tables(model, device: torch.device, shared: SharedTables | None = Non
     placed = getattr(base, "stem_tables_placement", None)  # tables left in the checkpoint's files (mmap)
     for index in getattr(model.config, "stem_layers", []):  # none in a dense baseline
         mlp = base.layers[index].mlp
-        shape = (model.config.vocab_size, model.config.table_columns(index))
+        shape = (model.config.vocab_size, table_columns(model.config, index))
         if shared is None:
             tables[index] = OffloadedTable(mlp.up_table.weight.data, device)
         else:
@@ -105,7 +106,7 @@ def set_handoff(model, dense=None) -> None:
         table = getattr(mlp, "neuron_order", None)  # the parent's index of each neuron, table columns first
         up, bias = w["up"].detach(), None if w["up_bias"] is None else w["up_bias"].detach()
         if table is not None:
-            table = table[: model.config.table_columns(index)].to(up.device)
+            table = table[: table_columns(model.config, index)].to(up.device)
             up, bias = up[table], None if bias is None else bias[table]
         mlp.dense_up, mlp.blend = (up, bias), 0.0
 

@@ -97,14 +97,14 @@ def distinct_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 class OffloadedTable:
-    """A [vocab, d_ff] table in host memory plus the rows the current step uses, on the device."""
+    """A [vocab, k] table in host memory plus the rows the current step uses, on the device."""
 
     def __init__(self, weight: torch.Tensor, device: torch.device, owner: tuple[int, int] = (0, 1)):
-        self.weight = weight  # [vocab, d_ff], storage dtype, host memory (maybe shared by processes)
+        self.weight = weight  # [vocab, k], storage dtype, host memory (maybe shared by processes)
         self.device = device
         self.owner = owner  # (local rank, local world): this process writes the rows v with v % world == rank
         self.ids = None  # [n] sorted distinct ids of the step, on the device
-        self.rows = None  # [n, d_ff] fp32 leaf on the device
+        self.rows = None  # [n, k] fp32 leaf on the device
 
     def gather(self, unique: torch.Tensor) -> None:
         """Make the rows of `unique` (sorted distinct ids in host memory, `distinct_ids`) the trainable rows of
@@ -113,12 +113,12 @@ class OffloadedTable:
         self.rows = self.weight[unique].to(self.device, torch.float32).requires_grad_()
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """[..., d_ff] rows for `ids`; every id must be among those of the last `gather`."""
+        """[..., k] rows for `ids`; every id must be among those of the last `gather`."""
         return self.rows[torch.searchsorted(self.ids, ids.contiguous())]
 
     def __call__(self, forward, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The rows of a forward's ids, as a STEM MLP's `up_table` is called."""
-        return self.lookup(forward.on(self.device)).to(device, dtype)  # [batch, seq, d_ff]
+        return self.lookup(forward.on(self.device)).to(device, dtype)  # [batch, seq, k]
 
     def owned(self) -> torch.Tensor:
         """[k] positions in `ids` of the rows this process updates."""
@@ -126,7 +126,7 @@ class OffloadedTable:
         return torch.arange(self.ids.numel(), device=self.ids.device) if world == 1 else (self.ids % world == rank).nonzero()[:, 0]
 
     def write_back(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store updated `rows` [k, d_ff] of the ids at `positions` [k]."""
+        """Store updated `rows` [m, k] of the ids at `positions` [m]."""
         self.weight[self.ids[positions].cpu()] = rows.to("cpu", self.weight.dtype)
 
 
@@ -143,7 +143,7 @@ class RowwiseAdagrad:
         for table, accum in zip(self.tables, self.state):
             mine = table.owned()  # the rows of the step that this process updates
             ids = table.ids[mine].cpu()
-            grad = table.rows.grad[mine]  # [k, d_ff]
+            grad = table.rows.grad[mine]  # [m, k]
             accum[ids] += grad.square().mean(1).cpu()
             denom = accum[ids].to(grad.device).sqrt().add_(self.eps)[:, None]
             rows = table.rows.detach()[mine]
