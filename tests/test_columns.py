@@ -334,7 +334,18 @@ def test_edit_inspect_and_train_plan_read_the_table_columns(formats, tmp_path):
     d, d_ff, layers = 32, 48, 3
     assert summary["ffn_flops_per_token"] == 2 * 3 * d * d_ff * layers - 2 * d * (16 + 32)
     assert "16-32 of 48 neurons a layer" in run("inspect", folders["float32"]).output
-    tiny_dense("llama").save_pretrained(tmp_path / "dense")
+    (tmp_path / "text.txt").write_text(markov_text(600, 2))
+    tiny_dense("llama").save_pretrained(tmp_path / "dense")  # the random parent tiny_stem's model came from
+    spread = run("inspect", folders["float32"], "--tables", "--reference", tmp_path / "dense", "--text",
+                 tmp_path / "text.txt", "--sample", 64, "--json")
+    assert spread.exit_code == 0, spread.output
+    assert sorted(json.loads(spread.stdout)["dense_up"]["layers"]) == ["0", "2"]
+    from stem_upcycle.table_stats import table_neurons  # whose W_up outputs the dense spread is taken of
+
+    assert {layer: n.tolist() for layer, n in table_neurons(open_source(str(folders["float32"])), [0, 2]).items()} \
+        == {0: list(range(16)), 2: list(range(32))}  # tiny_stem's neuron_order: the parent's order
+    nearest = run("inspect", folders["float32"], "--nearest", "w5", "--layer", 2, "--top", 3)
+    assert nearest.exit_code == 0 and "w5" in nearest.output, nearest.output
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {{source: {tmp_path / 'dense'}, init_from: {folders['float32']}}}\n"
                       f"data: {{train: [{recipe}]}}\n")
