@@ -111,6 +111,7 @@ def main():
                         help="another held-out set to score (beside the recipe's data.eval)")
     parser.add_argument("--eval-tokens", type=int, default=8192, help="tokens scored per held-out set")
     parser.add_argument("--skip", default="", help=f"parts not measured: {', '.join(PARTS[1:])}")
+    parser.add_argument("--plot", type=Path, help="also draw every point measured into OUTPUT to this PNG")
     args = parser.parse_args()
     args.skip = set(filter(None, args.skip.split(",")))
     os.chdir(ROOT)
@@ -136,6 +137,33 @@ def main():
             measure(name, args.output / name, args, sets, recipe.model.source, spec, extra)
             (args.output / "frontier.md").write_text(markdown(every_point(args.output), list(sets)) + "\n")
     print(markdown(every_point(args.output), list(sets)))
+    if args.plot:
+        plot(every_point(args.output), list(sets), args.plot)
+
+
+def plot(results: dict, sets: list[str], path: Path) -> None:
+    """Per mode, the mean and the worst perplexity ratio over the held-out sets against the share of W_up as rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for mode, color in zip(MODES, ("tab:red", "tab:blue", "tab:green")):
+        points = sorted((r["up_share"], [r["eval"]["ratio"][s] for s in sets if s in r["eval"]["ratio"]])
+                        for name, r in results.items() if name.startswith(mode + "-") and "eval" in r)
+        if points:
+            shares = [100 * share for share, _ in points]
+            axis.plot(shares, [max(ratios) for _, ratios in points], "o-", color=color, label=f"{mode}: worst genre")
+            axis.plot(shares, [sum(ratios) / len(ratios) for _, ratios in points], "s--", color=color,
+                      label=f"{mode}: mean of genres")
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.set_xlabel("share of all W_up columns as table rows (%)")
+    axis.set_ylabel("perplexity / parent's")
+    axis.set_title("SmolLM2-135M, CPU recipe: whole layers vs a share of every layer's neurons", fontsize=9)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
 
 
 def every_point(output: Path) -> dict:
