@@ -61,7 +61,8 @@ def stem(*args) -> list[str]:
 def train(recipe: str, out: Path, layers: str, overrides: list[str]) -> dict:
     if not (out / "config.json").exists():
         started = time.perf_counter()
-        sets = [w for o in [f"model.layers={layers}", *overrides] for w in ("--set", o)]
+        # whole layers, whatever the recipe's columns (a later override may set them)
+        sets = [w for o in [f"model.layers={layers}", "model.columns=all", *overrides] for w in ("--set", o)]
         run(stem("train", recipe, "--output", out, "--quiet", *sets))
         seconds = time.perf_counter() - started
     else:

@@ -64,7 +64,8 @@ def measure(name: str, folder: Path, args, sets: dict) -> dict:
     path = folder / "staged.json"
     record = json.loads(path.read_text()) if path.exists() else {}
     steps = {"baseline": args.baseline_steps, "one": 1, "steps": args.steps}[steps]
-    overrides = [f"model.layers={args.layers}", f"train.steps={steps}", f"train.eval_every={steps}",
+    overrides = [f"model.layers={args.layers}", "model.columns=all", f"train.steps={steps}",
+                 f"train.eval_every={steps}",
                  *(["model.keep_init=true"] if "init" in scored else []), *(f"{k}={v}" for k, v in local.items()), *args.set]
     if "train" not in record:
         record["train"] = train(args.recipe, folder / "model", overrides)

@@ -158,8 +158,8 @@ def fsdp_step(args, data: Path, dense: Path) -> None:
     if torch.cuda.device_count() < 2:
         print(f"{torch.cuda.device_count()} GPU(s) visible: the FSDP step needs two or more; skipped")
         return
-    sets = [w for o in overrides(args, data, dense) + ["train.steps=1", "train.eval_every=0", "model.layers=1/3"]
-            for w in ("--set", o)]
+    sets = [w for o in overrides(args, data, dense) + ["train.steps=1", "train.eval_every=0", "model.layers=1/3",
+                                                       "model.columns=all"] for w in ("--set", o)]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "recipes" / "accelerate" / "fsdp.yaml"), "--num_processes", str(torch.cuda.device_count()),
                "-m", "stem_upcycle.cli", "train", str(ROOT / "recipes" / "smollm2-135m-cpu.yaml"), "--output",
@@ -204,7 +204,7 @@ def main():
     data = args.pack / "data" if (args.pack / "data").exists() else ROOT / "data"
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     dense = dense_checkpoint(str(gguf) if gguf else "smollm2-135m", args.work, dtype)
-    curves = {"stem": guarded("stem", train, "stem", ["model.layers=1/3"], args, data, dense),
+    curves = {"stem": guarded("stem", train, "stem", ["model.layers=1/3", "model.columns=all"], args, data, dense),
               "dense": guarded("dense", train, "dense", [f"model.init_from={dense}",
                                                          "train.trainable=[mlp, norms, attention]"], args, data, dense)}
     if all(curves.values()):
