@@ -157,6 +157,7 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
 
     from stem_upcycle.card import UNTRAINED_WARNING
     from stem_upcycle.convert import check_output, plan_conversion, run_conversion
+    from stem_upcycle.families import family_for
     from stem_upcycle.loading import model_from_source, resolve_device
     from stem_upcycle.source import open_source
     from stem_upcycle.table_init import INITIALISERS, FitOptions, InitOptions
@@ -166,7 +167,8 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
 
     device = resolve_device(device)
     src = open_source(source)
-    # --columns checked before the dense model is loaded and any text sampled (a dry run too, as the real run)
+    # the family and --columns checked before the dense model is loaded and any text sampled (a dry run too)
+    family_for(src.config.model_type)
     check_columns(parse_columns(columns), init, src.config.intermediate_size, src.config.num_hidden_layers, 1)
     fit = FitOptions(sequential=sequential, refit_down=refit_down, epochs=local_epochs)
     options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, fit=fit)

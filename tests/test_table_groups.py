@@ -94,7 +94,11 @@ def test_convert_stores_tables_in_groups_by_default_holding_the_rows_of_a_tensor
         assert result.exit_code == 0, result.output
     groups = {name: json.loads((path / "config.json").read_text())["stem_table_groups"] for name, path in out.items()}
     assert groups == {"default": [[0, 1, 2]], "per-table": None, "twos": [[0, 1], [2]]}
-    assert "--layer-groups 3" in (out["default"] / "README.md").read_text()  # the command as run
+    # the command as run: the default's groups follow from layers and columns (no --layer-groups N spells them
+    # for tables of unequal widths); an explicit count is recorded
+    made_with = {name: next(line for line in (path / "README.md").read_text().splitlines() if "made with" in line)
+                 for name, path in out.items()}
+    assert "--layer-groups" not in made_with["default"] and "--layer-groups 2" in made_with["twos"], made_with
     per_table, grouped = tensors(out["per-table"]), tensors(out["default"])
     assert not any("up_table" in n for n in grouped)
     for layer in (0, 1, 2):
