@@ -96,6 +96,7 @@ def columns_models(work: Path, model: str) -> tuple[str, dict]:
     """The parent, a third of its layers whole and as many columns of every layer's neurons, both mmap."""
     from stem_upcycle.table_init import InitOptions
 
+    prepare(work, "smollm2", {})  # SmolLM2's folder first: prompt_ids reads its tokenizer, whatever the model
     calibration = InitOptions(calib_generated=prompt_ids(work, 4096), calib_seq_len=64)  # ids of the plays
     if model == "smollm2":
         paths = prepare(work, "smollm2", {"stem-third": "1/3", "stem-neurons-512": dict(

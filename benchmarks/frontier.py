@@ -54,6 +54,11 @@ def run(command: list[str]) -> str:
     return subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
 
 
+# Whole layers as their points were measured: the recipe's fit with 4 local epochs, whatever columns and epochs the
+# recipe names now (recipes/smollm2-135m-cpu.yaml converts a share of every layer's neurons, with 2)
+WHOLE_LAYERS = ["model.columns=all", "local.epochs=4"]
+
+
 def stem(*args) -> list[str]:
     return [sys.executable, "-m", "stem_upcycle.cli", *map(str, args)]
 
@@ -61,8 +66,7 @@ def stem(*args) -> list[str]:
 def train(recipe: str, out: Path, layers: str, overrides: list[str]) -> dict:
     if not (out / "config.json").exists():
         started = time.perf_counter()
-        # whole layers, whatever the recipe's columns (a later override may set them)
-        sets = [w for o in [f"model.layers={layers}", "model.columns=all", *overrides] for w in ("--set", o)]
+        sets = [w for o in [f"model.layers={layers}", *overrides] for w in ("--set", o)]
         run(stem("train", recipe, "--output", out, "--quiet", *sets))
         seconds = time.perf_counter() - started
     else:
@@ -129,7 +133,7 @@ def measure(name: str, model: str, folder: Path, args, sets, recipe, layers: str
     record_path = folder / "frontier.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     steps = {
-        "train": lambda: train(args.recipe, Path(model), layers, args.set) if layers else None,
+        "train": lambda: train(args.recipe, Path(model), layers, [*WHOLE_LAYERS, *args.set]) if layers else None,
         "eval": lambda: evaluate(model, recipe.model.source, sets, args.eval_tokens),
         "lastword": lambda: lastword(model, folder / "lastword.json"),
         "edits": lambda: edits(model, folder / "edits.json") if layers else None,

@@ -8,7 +8,8 @@ layers against a share of every layer's neurons (issue 48).
 Each point runs the CPU recipe (`--recipe`, recipes/smollm2-135m-cpu.yaml: calibration, the layer fit, end-to-end
 recovery) with one way of replacing SHARE of all W_up columns by table columns:
 
-- layers: SHARE of the layers, evenly spaced from layer 0, whole (`model.layers=N/30`): the recipe as it was;
+- layers: SHARE of the layers, evenly spaced from layer 0, whole (`model.layers=N/30`): the recipe as it was
+  (`model.columns=all`, 4 epochs of the layer fit: frontier.WHOLE_LAYERS);
 - neurons: SHARE of every layer's neurons, the cheapest by their error as table columns (`model.layers=all,
   model.columns=SHARE`);
 - spread: SHARE of all layers' neurons together, spread over the layers by that error (`model.columns=auto:SHARE`).
@@ -22,8 +23,9 @@ every point's wall time is printed and kept, to set them equal.
 Every point is scored as frontier.py scores its points, each part in its own process: the perplexity ratio to the
 parent on the recipe's held-out sets and `--heldout` ones, facts (`stem-upcycle eval --facts`), last-word accuracy
 (lm-evaluation-harness), greedy decode tokens/s against the parent (eager, mmap), the weight files. Figures are kept
-in OUTPUT/POINT/frontier.json as they are measured; a second run measures only what is missing. Compiled decode at
-the same share, and at Llama-3.2-1B's shape: benchmarks/compiled_decode.py --columns.
+in OUTPUT/POINT/frontier.json as they are measured; a second run measures only what is missing (a `--heldout` set
+added since: that set alone). Compiled decode at the same share, and at Llama-3.2-1B's shape:
+benchmarks/compiled_decode.py --columns.
 """
 
 import argparse
@@ -35,7 +37,7 @@ from fractions import Fraction
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frontier import ROOT, decode_speed, evaluate, file_bytes, lastword, train  # noqa: E402
+from frontier import ROOT, WHOLE_LAYERS, decode_speed, evaluate, file_bytes, lastword, train  # noqa: E402
 from inference import machine  # noqa: E402
 
 MODES = ("layers", "neurons", "spread")
@@ -45,7 +47,7 @@ PARTS = ("train", "eval", "lastword", "decode")
 def overrides(mode: str, share: Fraction, layers: int) -> tuple[str, list[str]]:
     """(model.layers, the other overrides) of a point."""
     if mode == "layers":
-        return f"{round(share * layers)}/{layers}", ["model.columns=all"]
+        return f"{round(share * layers)}/{layers}", list(WHOLE_LAYERS)
     return "all", [f"model.columns={'auto:' if mode == 'spread' else ''}{share.numerator}/{share.denominator}"]
 
 
@@ -60,6 +62,11 @@ def measure(name: str, folder: Path, args, sets: dict, source: str, layers: str 
         "lastword": lambda: lastword(model, folder / "lastword.json"),
         "decode": lambda: decode_speed(model, source) if layers else None,
     }
+    scored = (record.get("eval") or {}).get("ratio")
+    if scored is not None and set(sets) - set(scored):  # held-out sets added since: scored alone, the rest kept
+        missing = {name: files for name, files in sets.items() if name not in scored}
+        scored.update(evaluate(model, source, missing, args.eval_tokens)["ratio"])
+        path.write_text(json.dumps(record, indent=1))
     for part, step in steps.items():
         if part in record or part in args.skip:
             continue
