@@ -40,8 +40,10 @@ def main():
         source = open_source(recipe.model.source)
         model_from_source(source).save_pretrained(tmp)  # a GGUF source becomes a plain directory
         load_tokenizer(source).save_pretrained(tmp)
+        # the dense model as init_from: the recipe's conversion keys (columns, the local: fit) do not apply
         recipe = load_recipe(args.recipe, [f"model.init_from={tmp}", "train.trainable=[mlp, norms, attention]",
-                                           "train.checkpoint_every=0"])
+                                           "train.checkpoint_every=0", "model.columns=all", "local.sequential=false",
+                                           "local.refit_down=0", "local.epochs=0"])
         Trainer(recipe, Path(args.output), progress=True).run()
     dense = curve(Path(args.output))
     stem = curve(args.stem_run) if args.stem_run else {}

@@ -35,7 +35,9 @@ def main():
     results = {}
     for item in args.run or DEFAULT_RUNS:
         name, lr = item.split("=")
-        sets = [f"model.init_from={args.init}", "train.trainable=[tables]", f"tables.optimizer={name}", f"tables.lr={lr}",
+        # a converted init_from: the recipe's conversion keys (columns, the local: fit) do not apply
+        sets = [f"model.init_from={args.init}", "model.columns=all", "local.sequential=false", "local.refit_down=0",
+                "local.epochs=0", "train.trainable=[tables]", f"tables.optimizer={name}", f"tables.lr={lr}",
                 f"train.steps={args.steps}", f"train.batch_size={args.batch_size}", "train.eval_every=0",
                 "train.checkpoint_every=0", "train.warmup_steps=0"]
         first, last, _ = run(args.recipe, args.output / f"{name}-lr{lr}", sets)

@@ -205,7 +205,8 @@ def main():
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     dense = dense_checkpoint(str(gguf) if gguf else "smollm2-135m", args.work, dtype)
     curves = {"stem": guarded("stem", train, "stem", ["model.layers=1/3", "model.columns=all"], args, data, dense),
-              "dense": guarded("dense", train, "dense", [f"model.init_from={dense}",
+              # the dense model as init_from: nothing to convert (the recipe's columns are a conversion's)
+              "dense": guarded("dense", train, "dense", [f"model.init_from={dense}", "model.columns=all",
                                                          "train.trainable=[mlp, norms, attention]"], args, data, dense)}
     if all(curves.values()):
         report(curves)
