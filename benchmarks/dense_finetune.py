@@ -16,6 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from frontier import CONVERTED_ALREADY  # noqa: E402
 from stem_upcycle.loading import load_tokenizer, model_from_source  # noqa: E402
 from stem_upcycle.source import open_source  # noqa: E402
 from stem_upcycle.training.recipe import load_recipe  # noqa: E402
@@ -40,10 +42,8 @@ def main():
         source = open_source(recipe.model.source)
         model_from_source(source).save_pretrained(tmp)  # a GGUF source becomes a plain directory
         load_tokenizer(source).save_pretrained(tmp)
-        # the dense model as init_from: the recipe's conversion keys (columns, the local: fit) do not apply
         recipe = load_recipe(args.recipe, [f"model.init_from={tmp}", "train.trainable=[mlp, norms, attention]",
-                                           "train.checkpoint_every=0", "model.columns=all", "local.sequential=false",
-                                           "local.refit_down=0", "local.epochs=0"])
+                                           "train.checkpoint_every=0", *CONVERTED_ALREADY])
         Trainer(recipe, Path(args.output), progress=True).run()
     dense = curve(Path(args.output))
     stem = curve(args.stem_run) if args.stem_run else {}

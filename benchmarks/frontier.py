@@ -57,6 +57,9 @@ def run(command: list[str]) -> str:
 # Whole layers as their points were measured: the recipe's fit with 4 local epochs, whatever columns and epochs the
 # recipe names now (recipes/smollm2-135m-cpu.yaml converts a share of every layer's neurons, with 2)
 WHOLE_LAYERS = ["model.columns=all", "local.epochs=4"]
+# A run whose model.init_from is converted already (or dense): the recipe's conversion keys, which it refuses beside
+# init_from, turned off
+CONVERTED_ALREADY = ["model.columns=all", "local.sequential=false", "local.refit_down=0", "local.epochs=0"]
 
 
 def stem(*args) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from frontier import CONVERTED_ALREADY  # noqa: E402
 from recipe_variants import run  # noqa: E402
 
 DEFAULT_RUNS = ["rowwise_adagrad=2e-2", "adam=1e-3", "adamw=1e-3", "adam=1e-2", "adamw=1e-2"]  # optimizer=table LR
@@ -35,9 +36,8 @@ def main():
     results = {}
     for item in args.run or DEFAULT_RUNS:
         name, lr = item.split("=")
-        # a converted init_from: the recipe's conversion keys (columns, the local: fit) do not apply
-        sets = [f"model.init_from={args.init}", "model.columns=all", "local.sequential=false", "local.refit_down=0",
-                "local.epochs=0", "train.trainable=[tables]", f"tables.optimizer={name}", f"tables.lr={lr}",
+        sets = [f"model.init_from={args.init}", *CONVERTED_ALREADY, "train.trainable=[tables]",
+                f"tables.optimizer={name}", f"tables.lr={lr}",
                 f"train.steps={args.steps}", f"train.batch_size={args.batch_size}", "train.eval_every=0",
                 "train.checkpoint_every=0", "train.warmup_steps=0"]
         first, last, _ = run(args.recipe, args.output / f"{name}-lr{lr}", sets)
