@@ -78,3 +78,11 @@ def _running(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def existing_parent(path: Path) -> Path:
+    """The nearest folder of PATH that exists: PATH itself, or its closest existing ancestor."""
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path

@@ -33,6 +33,12 @@ def _replaced(plan) -> str:
             "dense: `down_proj(act(gate_proj(x)) * cat(up_table[token_id], up_rest(x)))`)")
 
 
+def _revision(source) -> str:
+    """The commit of a base model fetched from (or found in the cache of) the Hub."""
+    return f" at commit `{source.revision}` of [{source.hub_id}](https://huggingface.co/{source.hub_id})" \
+        if source.revision and source.hub_id else ""
+
+
 def _body(plan, command: str, license_: str) -> str:
     cfg = plan.config
     return f"""
@@ -45,7 +51,7 @@ up-projection{_replaced(plan)} is replaced by a table with one row per vocabular
 
 | | |
 |---|---|
-| base model | `{plan.source.spec}` |
+| base model | `{plan.source.spec}`{_revision(plan.source)} |
 | licence of the base model | {license_} |
 | STEM layers | {len(plan.layers)} of {cfg.num_hidden_layers}: {plan.layers} |
 | table init | `{plan.init}`: {INITIALISERS[plan.init].description} |

@@ -20,6 +20,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from . import card
 from .errors import UserError
+from .hub import DiskNeed
 from .families import (EMBEDDING, LAYER_PREFIX, LM_HEAD, STEM_GATE, STEM_NEURON_ORDER, STEM_TABLE_PREFIX, STEM_UP,
                        STEM_UP_REST, Family, family_for, layer_name)
 from .layers import DEFAULT_LAYERS
@@ -28,7 +29,7 @@ from .modeling.configuration_stem import table_columns
 from .modeling import StemConfig
 from .modeling.table_files import TABLE_GROUP_PREFIX
 from .modeling.table_format import TableFormat, TableFormatError
-from .atomic import write_staged
+from .atomic import existing_parent, write_staged
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
 from .source import DTYPES, TOKENIZER_FILES, Source
 from .summary import describe_widths, table_layout
@@ -335,6 +336,9 @@ def plan_conversion(
     has_bias = layer_name(stem_layers[0], STEM_GATE + ".bias") in producers
     config = stem_config(dense, family, stem_layers, init, out_dtype, has_bias, dense_first)
     config.stem_table_format = table_format.to_config()
+    if source.hub_id:  # where the parent comes from, to the commit where known: what a user fetches to compare
+        config.stem_base_model = source.hub_id
+        config.stem_base_revision = source.revision
     config.stem_table_groups = groups
     config.stem_table_columns = {str(layer): k for layer, k in widths.items()} if splits else None
     if choice.layer_costs is not None:  # what the choice rests on, kept for the user (and for choosing other counts)
@@ -533,6 +537,9 @@ def stem_config(dense, family: Family, layers: list[int], init: str, dtype: torc
     return config
 
 
+OUTPUT_SLACK = 64 * 2**20  # a converted model's bytes besides its weights: tokenizer, config, card, some slack
+
+
 def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) -> None:
     """Refuse, before writing anything, what would lose data or cannot finish."""
     if out.exists() and not out.is_dir():
@@ -547,7 +554,7 @@ def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) 
     except OSError as err:
         raise ConversionError(f"cannot write to {parent} ({err.strerror}); choose an OUT on a writable disk") from None
     free = shutil.disk_usage(parent).free
-    needed = needed_bytes + 64 * 2**20  # plus tokenizer, config and some slack
+    needed = needed_bytes + OUTPUT_SLACK
     if free < needed:
         raise ConversionError(
             f"not enough disk space at {parent}: the output needs {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; "
@@ -555,12 +562,11 @@ def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) 
         )
 
 
-def existing_parent(path: Path) -> Path:
-    """The nearest folder of PATH that exists: PATH itself, or its closest existing ancestor."""
-    path = path.resolve()
-    while not path.exists():
-        path = path.parent
-    return path
+def output_disk_need(plan: ConversionPlan, out: Path, overwrite: bool) -> DiskNeed:
+    """OUT checked as `run_conversion` will check it, and what the conversion writes there (to check with a
+    download's bytes where both share a disk)."""
+    check_output(out, overwrite, plan.source, plan.total_bytes)
+    return DiskNeed(out, plan.total_bytes + OUTPUT_SLACK, "the output")
 
 
 def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, progress: bool = True, command: str = "") -> Path:

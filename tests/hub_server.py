@@ -1,26 +1,54 @@
-"""A Hugging Face Hub served from local folders on 127.0.0.1, for tests of loading by hub id without internet.
+"""A Hugging Face Hub served from local folders on 127.0.0.1, for tests of loading and downloading by hub id
+without internet.
 
 It answers what `huggingface_hub` asks of the Hub to download files (`HF_ENDPOINT` pointed at it): a file's
-metadata (HEAD) and contents (GET) at `/{repo}/resolve/{revision}/{path}`, and a repository's file list at
-`/api/models/{repo}[/revision/{revision}]`. huggingface_hub ships no such server (its tests run against the real
-Hub), so this is written here: about what a user's first `from_pretrained("org/model")` needs, nothing more.
-Every request is recorded (`requests`), so a test can say which files were fetched.
+metadata (HEAD) and contents (GET, whole or from a byte offset: `Range`) at `/{repo}/resolve/{revision}/{path}`,
+a repository's info at `/api/models/{repo}[/revision/{revision}]` and its file list at
+`/api/models/{repo}/tree/{revision}`, with the Hub's error answers (`X-Error-Code`). huggingface_hub ships no such
+server (its tests run against the real Hub), so this is written here: what a user's downloads need, nothing more.
+
+A repository is a folder (its one revision, `main`) or {revision: folder} (branches or tags; each revision gets a
+commit hash, which also names it). Every request is recorded (`requests`), so a test can say which files were
+fetched; and a test can make the Hub misbehave: gate a repository (`gated`), accept only some tokens (`tokens`),
+answer every request with an error (`failing`), or cut a file's first download after some bytes (`cut_once`).
 """
 
 import hashlib
 import json
 import threading
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
-COMMIT = "0" * 40  # every repository's one revision
+COMMIT = "0" * 40  # the commit of `main`
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    headers: dict = field(default_factory=dict)  # Range and Authorization, where sent
+
+    def __iter__(self):  # (method, path), as requests were once recorded
+        return iter((self.method, self.path))
+
+    def __eq__(self, other):
+        return tuple(self) == tuple(other) if isinstance(other, tuple) else NotImplemented
+
+
+def commit_of(revision: str) -> str:
+    return COMMIT if revision == "main" else hashlib.sha1(revision.encode()).hexdigest()
 
 
 class LocalHub:
-    def __init__(self, repos: dict[str, Path]):
-        self.repos = repos  # "org/name" -> folder
-        self.requests = []  # (method, path)
+    def __init__(self, repos: dict[str, Path | dict[str, Path]]):
+        self.repos = {name: repo if isinstance(repo, dict) else {"main": repo} for name, repo in repos.items()}
+        self.requests: list[Request] = []
+        self.gated: set[str] = set()  # repositories whose files need a token of `tokens`
+        self.tokens: set[str] | None = None  # the valid tokens (None: any token is valid)
+        self.failing: int | None = None  # a status every request is answered with (500: the Hub is down)
+        self.cut_once: dict[str, int] = {}  # file name -> bytes sent before its first GET is cut
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -43,41 +71,90 @@ class LocalHub:
 
     def fetched(self) -> set[str]:
         """Files whose contents were downloaded (GET of a file)."""
-        return {path.split("/resolve/", 1)[1].split("/", 1)[1] for method, path in self.requests
-                if method == "GET" and "/resolve/" in path}
+        return {r.path.split("/resolve/", 1)[1].split("/", 1)[1] for r in self.requests
+                if r.method == "GET" and "/resolve/" in r.path}
 
+    def downloads(self) -> list[Request]:
+        return [r for r in self.requests if r.method == "GET" and "/resolve/" in r.path]
+
+    # -- answers -----------------------------------------------------------------------------------
     def _answer(self, handler, body: bool):
-        path = unquote(urlparse(handler.path).path)
-        self.requests.append((handler.command, path))
+        url = urlparse(handler.path)
+        path = unquote(url.path)
+        headers = {k: handler.headers[k] for k in ("Range", "Authorization") if handler.headers.get(k)}
+        self.requests.append(Request(handler.command, path, headers))
+        if self.failing is not None:
+            return self._send(handler, self.failing, b'{"error": "failing"}', {"Retry-After": "0"}, body)
+        token = headers.get("Authorization", "").removeprefix("Bearer ")
+        if token and self.tokens is not None and token not in self.tokens:
+            return self._send(handler, 401, b"", {"X-Error-Message": "Invalid credentials in Authorization header"},
+                              body)
         if path.startswith("/api/models/"):
-            name, tree, _ = path.removeprefix("/api/models/").split("/revision/")[0].partition("/tree/")
-            repo = self._repo(name)
-            if repo is None:
-                return self._send(handler, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, body)
-            folder = self.repos[repo]
-            files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-            if tree:  # list_repo_tree, which snapshot_download asks: every file, recursively
-                info = [{"type": "file", "path": f, "size": (folder / f).stat().st_size,
-                         "oid": hashlib.sha1((folder / f).read_bytes()).hexdigest()} for f in files]
-            else:
-                info = {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
-                        "siblings": [{"rfilename": f} for f in files]}
-            return self._send(handler, 200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
-        repo_part, _, rest = path.lstrip("/").partition("/resolve/")
-        repo = self._repo(repo_part)
-        if repo is None or not rest:
+            return self._api(handler, path.removeprefix("/api/models/"), parse_qs(url.query), body)
+        repo, _, rest = path.lstrip("/").partition("/resolve/")
+        if repo not in self.repos or not rest:
             return self._send(handler, 404, b"", {"X-Error-Code": "RepoNotFound"}, body)
-        _revision, _, filename = rest.partition("/")
-        file = self.repos[repo] / filename
+        revision, _, filename = rest.partition("/")
+        folder, commit = self._revision(repo, revision)
+        if folder is None:
+            return self._send(handler, 404, b"", {"X-Error-Code": "RevisionNotFound"}, body)
+        if repo in self.gated and not (token and (self.tokens is None or token in self.tokens)):
+            return self._send(handler, 401, b"", {"X-Error-Code": "GatedRepo", "X-Error-Message": "gated"}, body)
+        file = folder / filename
         if not file.is_file():
-            return self._send(handler, 404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": COMMIT}, body)
-        data = file.read_bytes()
-        etag = hashlib.sha256(data).hexdigest()
-        return self._send(handler, 200, data, {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"',
-                                               "Content-Type": "application/octet-stream"}, body)
+            return self._send(handler, 404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit}, body)
+        return self._file(handler, file, filename, commit, headers.get("Range"), body)
 
-    def _repo(self, name: str) -> str | None:
-        return name if name in self.repos else None
+    def _api(self, handler, rest: str, query: dict, body: bool):
+        rest, tree, tree_rest = rest.partition("/tree/")
+        name, _, revision = rest.partition("/revision/")
+        if name not in self.repos:
+            return self._send(handler, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"},
+                              body)
+        revision = (tree_rest.split("/", 1)[0] if tree else revision) or "main"
+        folder, commit = self._revision(name, revision)
+        if folder is None:
+            return self._send(handler, 404, b'{"error": "Revision not found"}', {"X-Error-Code": "RevisionNotFound"},
+                              body)
+        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        if tree:  # list_repo_tree: every file when recursive, else the top level's files and folders
+            recursive = query.get("recursive", ["false"])[0].lower() == "true"
+            listed = files if recursive else [f for f in files if "/" not in f]
+            info = [{"type": "file", "path": f, "size": (folder / f).stat().st_size,
+                     "oid": hashlib.sha1((folder / f).read_bytes()).hexdigest()} for f in listed]
+            if not recursive:
+                info += [{"type": "directory", "path": d, "oid": COMMIT}
+                         for d in sorted({f.split("/", 1)[0] for f in files if "/" in f})]
+        else:
+            info = {"id": name, "modelId": name, "sha": commit, "private": False, "gated": name in self.gated,
+                    "siblings": [{"rfilename": f, "size": (folder / f).stat().st_size} for f in files]}
+        return self._send(handler, 200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
+
+    def _revision(self, repo: str, revision: str) -> tuple[Path | None, str]:
+        for name, folder in self.repos[repo].items():
+            if revision in (name, commit_of(name)):
+                return folder, commit_of(name)
+        return None, ""
+
+    def _file(self, handler, file: Path, filename: str, commit: str, range_: str | None, body: bool):
+        data = file.read_bytes()
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                   "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+        if range_ and range_.startswith("bytes="):
+            start = int(range_.removeprefix("bytes=").split("-")[0])
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            return self._send(handler, 206, data[start:], headers, body)
+        if body and filename in self.cut_once:  # the connection drops mid-file, this once
+            sent = self.cut_once.pop(filename)
+            handler.send_response(200)
+            for key, value in {**headers, "Content-Length": str(len(data))}.items():
+                handler.send_header(key, value)
+            handler.end_headers()
+            handler.wfile.write(data[:sent])
+            handler.wfile.flush()
+            handler.close_connection = True
+            return
+        return self._send(handler, 200, data, headers, body)
 
     @staticmethod
     def _send(handler, status: int, data: bytes, headers: dict, body: bool):

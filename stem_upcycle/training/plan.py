@@ -148,7 +148,7 @@ class TrainingPlan:
             if device > total:
                 problems.append(f"GPU memory: each process needs {device / GB:.1f} GB, this GPU has {total / GB:.1f} GB")
         if output is not None:
-            from ..convert import existing_parent
+            from ..atomic import existing_parent
 
             existing = existing_parent(output)
             free = shutil.disk_usage(existing).free

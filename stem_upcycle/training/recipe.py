@@ -14,6 +14,7 @@ from ..convert import FIRST_TOKEN
 from ..source import DTYPES
 from ..errors import UserError
 from ..generate import Sampling
+from ..hub import HubOptions
 from ..neurons import parse_columns
 
 
@@ -24,6 +25,8 @@ class RecipeError(UserError):
 @dataclass
 class ModelSection:
     source: str = ""  # the dense checkpoint: teacher for distillation, and what is converted
+    revision: str = ""  # a branch, tag or commit of `source` when it is a hub id; empty: main
+    trust_remote_code: bool = False  # allow a `source` whose config needs its own code (as convert --trust-remote-code)
     init_from: str = ""  # an existing STEM checkpoint to start from; empty: convert `source` first
     layers: str = "1/3"  # STEM layers when converting (as `convert --layers`)
     columns: str = "all"  # which neurons of each STEM layer become table columns (as `convert --columns`)
@@ -35,6 +38,11 @@ class ModelSection:
     keep_init: bool = False  # keep the converted starting point in OUTPUT/init after export (to compare with it)
     export_dtype: str = "auto"  # dtype of the exported model: auto (the source's, as `convert --dtype auto`),
     # bfloat16, float32 or float16; training itself runs on an fp32 copy
+
+    def hub(self, token: str | None = None, progress: bool = True) -> HubOptions:
+        """How `source` is fetched when it is a hub id."""
+        return HubOptions(revision=self.revision or None, token=token, trust_remote_code=self.trust_remote_code,
+                          progress=progress)
 
 
 @dataclass

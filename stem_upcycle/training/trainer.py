@@ -73,11 +73,13 @@ def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> 
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, output: Path, resume: bool = False, progress: bool = True):
+    def __init__(self, recipe: Recipe, output: Path, resume: bool = False, progress: bool = True,
+                 token: str | None = None):
         from accelerate import Accelerator, DistributedType
         from accelerate.utils import parse_flag_from_env
 
         self.recipe, self.output, self.progress = recipe, Path(output), progress
+        self.hub = recipe.model.hub(token, progress)  # how model.source is fetched when it is a hub id
         # names this run's temporaries in folders other runs share (token caches, tables.host_dir): the same in
         # every process and in a resumed run, different for a run into another OUTPUT
         self.run_key = hashlib.sha1(str(self.output.absolute()).encode()).hexdigest()[:12]
@@ -123,7 +125,8 @@ class Trainer:
         recipe, t, acc = self.recipe, self.recipe.train, self.accelerator
         torch.manual_seed(t.seed)
 
-        self.source = open_source(recipe.model.source)
+        with acc.local_main_process_first():  # a hub id: one process downloads (each machine's first), the others read it
+            self.source = open_source(recipe.model.source, self.hub)
         self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
         self.teacher_tokenizer = load_tokenizer(self.source)  # what generation samples with and calibration joins with
         self.generated, self.generation_stats = generated_text(recipe, self.source, self.teacher,
@@ -388,5 +391,7 @@ class Trainer:
                 self.shared.folder.parent.rmdir()
 
 
-def train(recipe: Recipe, output: str | Path, resume: bool = False, progress: bool = True) -> Path:
-    return Trainer(recipe, Path(output), resume=resume, progress=progress).run()
+def train(recipe: Recipe, output: str | Path, resume: bool = False, progress: bool = True,
+          token: str | None = None) -> Path:
+    """`token`: for a model.source given by hub id (None: HF_TOKEN or the stored login)."""
+    return Trainer(recipe, Path(output), resume=resume, progress=progress, token=token).run()
