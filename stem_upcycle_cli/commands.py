@@ -177,10 +177,8 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
 
     import torch
 
-    from dataclasses import replace
-
     from stem_upcycle.card import UNTRAINED_WARNING
-    from stem_upcycle.convert import check_output, output_disk_need, plan_conversion, run_conversion
+    from stem_upcycle.convert import output_disk_need, plan_conversion, run_conversion
     from stem_upcycle.families import family_for
     from stem_upcycle.hub import check_disk, describe_download, download_need
     from stem_upcycle.loading import model_from_source, resolve_device
@@ -196,9 +194,9 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
     if calib_generate:  # stands for the text a run samples, in a plan made before it (a dry run generates nothing)
         options.calib_generated = torch.zeros(0, dtype=torch.long)
 
-    def planned(src, dry: bool, init_options: InitOptions):
+    def planned(src, dry: bool):
         return plan_conversion(src, layers=layers, dtype=dtype, init=init, max_shard_size=max_shard_size,
-                               init_options=init_options, progress=not quiet, dry_run=dry, first_token=first_token,
+                               init_options=options, progress=not quiet, dry_run=dry, first_token=first_token,
                                table_dtype=table_dtype, block_size=table_block, layer_groups=layer_groups,
                                columns=columns)
 
@@ -208,7 +206,7 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
         return src
 
     def before_weights(shapes):  # a hub id's config is here, its weights not yet: plan from their shapes
-        return [output_disk_need(planned(checked(shapes), True, replace(options)), Path(out), overwrite)]
+        return [output_disk_need(planned(checked(shapes), True), Path(out), overwrite)]
 
     src = checked(open_source(source, _hub(revision, token, trust_remote_code, quiet), weights=not dry_run,
                               before_weights=before_weights))
@@ -218,13 +216,13 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
     if calib_generate and not dry_run:
         options.calib_generated = generated_calibration(src, options.dense_model, calib_generate, calib_tokens,
                                                         progress=not quiet)
-    plan = planned(src, dry_run, options)
+    plan = planned(src, dry_run)
     click.echo(plan.describe())
     if dry_run:
+        output = output_disk_need(plan, Path(out), overwrite)  # OUT checked as a run checks it
         if src.pending_download:
             click.echo(describe_download(src.hub_id, src.pending_download))
-            check_disk([download_need(src.pending_download), *before_weights(src)])  # summed where they share a disk
-        check_output(Path(out), overwrite, plan.source, plan.total_bytes)
+            check_disk([download_need(src.pending_download), output])  # summed where they share a disk
         click.echo("dry run: nothing written")
         return
     # The command as run, with every default spelled out, for the model card.
