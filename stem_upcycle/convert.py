@@ -191,7 +191,8 @@ class ConversionPlan:
     def describe(self) -> str:
         cfg, gb = self.config, 1e9
         lines = [
-            f"source     {self.source.spec} ({cfg.dense_model_type}, {cfg.num_hidden_layers} layers, "
+            f"source     {self.source.spec}{f' at commit {self.source.revision[:12]}' if self.source.revision else ''} "
+            f"({cfg.dense_model_type}, {cfg.num_hidden_layers} layers, "
             f"vocab {cfg.vocab_size}, d {cfg.hidden_size}, d_ff {cfg.intermediate_size})",
             f"stem       {len(self.layers)} of {cfg.num_hidden_layers} layers: "
             + (f"chosen by the real run ({self.auto_spec}: every layer calibrated, then each converted alone "

@@ -101,6 +101,7 @@ def test_a_sharded_model_converts_by_id_as_its_folder_does_then_from_the_cache_t
     convert(repo, tmp_path / "from-folder")
     result = convert(REPO, tmp_path / "from-hub")
     assert "Fetching" not in result.output  # --quiet: no download bars (test_the_installed_command... sees them)
+    assert f"source     {REPO} at commit {COMMIT[:12]} (llama" in result.output
     same_model(tmp_path / "from-hub", tmp_path / "from-folder")
     shards = {p.name for p in repo.glob("*.safetensors")}
     assert hub.fetched() == READ | shards  # nothing else: not the .bin, the .gguf, original/ or the licence
