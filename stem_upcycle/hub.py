@@ -35,6 +35,7 @@ class HubOptions:
     """How a source named by hub id is fetched (and a local one opened)."""
 
     revision: str | None = None  # a branch, tag or commit of a hub id; None: main
+    revision_from: str = "--revision"  # where the user gave it, for messages (--reference-revision, model.revision)
     token: str | None = None  # None: HF_TOKEN or the stored `hf auth login`, as huggingface_hub resolves them
     trust_remote_code: bool = False  # run the code of a checkpoint whose config needs its own classes
     progress: bool = True  # huggingface_hub's download bars
@@ -83,7 +84,7 @@ def fetch_small_files(repo_id: str, options: HubOptions) -> Snapshot:
         return Snapshot(repo_id, folder)
     try:
         with _one_line_errors(repo_id, options):
-            files = _repository_files(repo_id, options)
+            files, commit = _repository_files(repo_id, options)
     except HubError as err:
         folder = _cached_folder(repo_id, options) if str(err).startswith(UNREACHABLE) else None
         if folder is None or not _complete(folder):
@@ -99,7 +100,10 @@ def fetch_small_files(repo_id: str, options: HubOptions) -> Snapshot:
     if options.trust_remote_code:  # the checkpoint's own classes, which its config names
         small += [n for n in top if n.endswith(".py")]
     with _one_line_errors(repo_id, options):
-        folder = _download(repo_id, options, small)
+        folder = _download(repo_id, options, small, options.revision)
+    if folder.name != commit:  # the branch moved between the file list and the download
+        raise HubError(f"{repo_id}{revision} changed while it was being fetched (commit {commit[:12]}, then "
+                       f"{folder.name[:12]}): run again, or pin a commit with {options.revision_from}")
     if _model_type(folder) == "stem":
         wanted = list(files)  # a STEM model: all of it
     else:
@@ -107,11 +111,15 @@ def fetch_small_files(repo_id: str, options: HubOptions) -> Snapshot:
             weights = weight_file_names(set(top), lambda index: json.loads((folder / index).read_text()))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise HubError(f"{repo_id}'s weight index is not valid JSON with a weight_map: the repository is "
-                           f"broken at this revision; tell its authors, or pin a revision that works "
-                           f"(--revision)") from None
+                           f"broken at commit {commit[:12]}; tell its authors, or pin a revision that works "
+                           f"({options.revision_from})") from None
         if not weights:
             raise HubError(f"{repo_id} has no safetensors or PyTorch .bin weights at its top level; for a .gguf "
                            f"file, download it (`hf download {repo_id} FILE`) and pass its path")
+        if missing := [name for name in weights if name not in files]:
+            raise HubError(f"{repo_id}'s weight index names {missing[0]}, which the repository does not hold at "
+                           f"commit {commit[:12]}: the repository is broken there; tell its authors, or pin a "
+                           f"revision that works ({options.revision_from})")
         wanted = small + weights
     pending = {name: files[name] for name in wanted if not (folder / name).is_file()}
     return Snapshot(repo_id, folder, pending, wanted)
@@ -122,8 +130,8 @@ def fetch_weights(snapshot: Snapshot, options: HubOptions, also: list[DiskNeed] 
     if not snapshot.pending:
         return
     check_disk([download_need(snapshot.pending_bytes), *also])
-    with _one_line_errors(snapshot.repo_id, options):
-        _download(snapshot.repo_id, options, snapshot.wanted)
+    with _one_line_errors(snapshot.repo_id, options):  # the commit of the small files, whatever the branch does
+        _download(snapshot.repo_id, options, snapshot.wanted, snapshot.commit)
     snapshot.pending = {}
 
 
@@ -155,20 +163,21 @@ def check_disk(needs: list[DiskNeed]) -> None:
                            f"HF_HUB_CACHE (the download) or choose OUT on another disk")
 
 
-def _repository_files(repo_id: str, options: HubOptions) -> dict[str, int]:
-    """Every file of the revision and its size: the repository's info, asked once and not retried (as
-    `from_pretrained` asks), so that an unreachable Hub falls back to the cache at once."""
+def _repository_files(repo_id: str, options: HubOptions) -> tuple[dict[str, int], str]:
+    """(every file of the revision and its size, its commit): the repository's info, asked once and not retried
+    (as `from_pretrained` asks), so that an unreachable Hub falls back to the cache at once."""
     from huggingface_hub import HfApi
 
     info = HfApi(token=options.token).model_info(repo_id, revision=options.revision, files_metadata=True)
-    return {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
+    return {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}, info.sha
 
 
-def _download(repo_id: str, options: HubOptions, names: list[str]) -> Path:
+def _download(repo_id: str, options: HubOptions, names: list[str], revision: str | None) -> Path:
+    """`names` of the revision into the cache (a branch or tag: its ref is written, for offline runs)."""
     from huggingface_hub import snapshot_download
 
     with _progress_bars(options.progress):  # snapshot_download's pattern match: the names as they are
-        return Path(snapshot_download(repo_id, revision=options.revision, token=options.token,
+        return Path(snapshot_download(repo_id, revision=revision, token=options.token,
                                       allow_patterns=[_literal(n) for n in names]))
 
 
@@ -190,7 +199,7 @@ def _complete(folder: Path) -> bool:
     try:
         weights = weight_file_names({p.name for p in folder.iterdir()},
                                     lambda index: json.loads((folder / index).read_text()))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return False
     return bool(weights) and all((folder / name).is_file() for name in weights)
 
@@ -209,8 +218,8 @@ UNREACHABLE = "cannot reach the Hub"
 def _one_line_errors(repo_id: str, options: HubOptions) -> Iterator[None]:
     """huggingface_hub's errors, and a disk that fills, as one line with the fix."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (DisabledRepoError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 
     page = f"{constants.ENDPOINT}/{repo_id}"
     try:
@@ -219,11 +228,17 @@ def _one_line_errors(repo_id: str, options: HubOptions) -> Iterator[None]:
         raise HubError(f"{repo_id} is gated: accept its licence at {page}, then `hf auth login` or set HF_TOKEN "
                        f"(or pass --token) with a token of that account") from None
     except RevisionNotFoundError:
-        raise HubError(f"{repo_id} has no revision {options.revision!r}: give a branch, tag or commit it has "
-                       f"({page}/tree/main)") from None
+        raise HubError(f"{repo_id} has no revision {options.revision!r} ({options.revision_from}): give a branch, "
+                       f"tag or commit it has ({page}/tree/main)") from None
     except RepositoryNotFoundError:
         raise HubError(f"{repo_id} is not a repository on {constants.ENDPOINT}, or it is private and this token "
                        f"cannot see it: check the id, or log in (`hf auth login`, HF_TOKEN or --token)") from None
+    except DisabledRepoError:
+        raise HubError(f"{repo_id} is disabled on the Hub: its files cannot be downloaded; use another "
+                       f"repository") from None
+    except RemoteEntryNotFoundError as err:  # listed, then gone: the repository changed under the download
+        raise HubError(f"{repo_id} no longer holds a file it listed ({_cause(err)}): run again, or pin a commit "
+                       f"with {options.revision_from}") from None
     except HfHubHTTPError as err:
         status = err.response.status_code if err.response is not None else None
         if status == 401:
@@ -232,15 +247,23 @@ def _one_line_errors(repo_id: str, options: HubOptions) -> Iterator[None]:
         if status == 403:
             raise HubError(f"the token may not read {repo_id} (403): give it read access to the repository (a "
                            f"fine-grained token) or use another (--token, HF_TOKEN)") from None
-        raise HubError(f"{UNREACHABLE}: it answered {status} for {repo_id} after retries; try again later") from None
+        if status is None or status == 429 or status >= 500:  # the Hub down or busy: the cache may do
+            raise HubError(f"{UNREACHABLE}: it answered {status} for {repo_id} after retries; try again "
+                           f"later") from None
+        raise HubError(f"the Hub answered {status} for {repo_id} ({_cause(err)}); check the id and "
+                       f"{options.revision_from}") from None
     except LocalEntryNotFoundError as err:  # the Hub unreachable and the files not cached
         raise HubError(f"{UNREACHABLE} at {constants.ENDPOINT} ({_cause(err)}) to fetch {repo_id}: check the "
                        f"network, then run again (a cut download resumes)") from None
     except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-        raise HubError(f"the disk filled while downloading {repo_id} into {constants.HF_HUB_CACHE}: free space (or "
-                       f"set HF_HUB_CACHE to a larger disk) and run again; the download resumes") from None
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise HubError(f"the disk filled while downloading {repo_id} into {constants.HF_HUB_CACHE} "
+                           f"({err.strerror}): free space (or set HF_HUB_CACHE to a larger disk) and run again; the "
+                           f"download resumes") from None
+        if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise HubError(f"cannot write to the Hugging Face cache {constants.HF_HUB_CACHE} ({err.strerror}): "
+                           f"set HF_HOME or HF_HUB_CACHE to a folder of yours") from None
+        raise
     except Exception as err:
         if not _is_network_error(err):
             raise

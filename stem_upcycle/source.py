@@ -152,8 +152,8 @@ def open_source(spec: str, hub: HubOptions = HubOptions(), weights: bool = True,
 
 def _local(spec: str, hub: HubOptions) -> None:
     if hub.revision is not None:
-        raise SourceError(f"--revision {hub.revision} names a revision of a hub id, and {spec} is a local file or "
-                          f"directory; drop --revision")
+        raise SourceError(f"{hub.revision_from} {hub.revision} names a revision of a hub id, and {spec} is a local "
+                          f"file or directory; drop {hub.revision_from}")
 
 
 def _open_hub(repo_id: str, hub: HubOptions, weights: bool, before_weights) -> Source:
@@ -179,6 +179,12 @@ def _alias_path(alias: str) -> Path:
 
 
 def _looks_like_hub_id(spec: str) -> bool:
+    from huggingface_hub.utils import validate_repo_id
+
+    try:  # ORG/NAME as the Hub allows it: not ./model, ../x, a--b/c (a mistyped path, then: no such file)
+        validate_repo_id(spec)
+    except ValueError:
+        return False
     return re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None
 
 

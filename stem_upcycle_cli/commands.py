@@ -98,10 +98,11 @@ def hub_options(argument: str, recorded: bool = False, dense: bool = True):
     return add
 
 
-def _hub(revision=None, token=None, trust_remote_code=False, quiet=False):
+def _hub(revision=None, token=None, trust_remote_code=False, quiet=False, revision_from="--revision"):
     from stem_upcycle.hub import HubOptions
 
-    return HubOptions(revision=revision, token=token, trust_remote_code=trust_remote_code, progress=not quiet)
+    return HubOptions(revision=revision, token=token, trust_remote_code=trust_remote_code, progress=not quiet,
+                      revision_from=revision_from)
 
 
 def table_dtype_option(default: str | None, default_help: str):
@@ -227,6 +228,7 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
         return
     # The command as run, with every default spelled out, for the model card.
     words = ["stem-upcycle", "convert", source, out, *(["--revision", revision] if revision else []),
+             *(["--trust-remote-code"] if trust_remote_code else []),
              "--layers", layers, "--columns", columns, "--init", init,
              "--first-token", first_token,
              "--dtype", dtype, "--table-dtype", plan.table_format.dtype, "--max-shard-size", str(max_shard_size)]
@@ -517,7 +519,8 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
     tokenizer = load_tokenizer(source)
     ref = None
     if reference:
-        ref, _ = load_model(reference, dtype, hub=_hub(reference_revision, token, trust_remote_code, quiet))
+        ref, _ = load_model(reference, dtype, hub=_hub(reference_revision, token, trust_remote_code, quiet,
+                                                       "--reference-revision"))
         ref.to(device)
         ev.check_same_vocabulary(lm, ref, model, reference)
     results = {"model": model, "reference": reference, "window": window, "device": str(device),

@@ -136,6 +136,11 @@ def test_a_revision_other_than_main_is_converted_and_recorded(hub, repo, tmp_pat
     same_model(tmp_path / "by-commit", tmp_path / "from-folder")
     fails(run("convert", REPO, tmp_path / "nope", "--revision", "nope"), f"{REPO} has no revision 'nope'")
     fails(run("convert", repo, tmp_path / "local", "--revision", "v2"), "--revision v2", "drop --revision")
+    from stem_upcycle.hub import HubOptions
+    from stem_upcycle.source import SourceError, open_source
+
+    with pytest.raises(SourceError, match="model.revision v2 names a revision of a hub id"):
+        open_source(str(repo), HubOptions(revision="v2", revision_from="model.revision"))
     assert not (tmp_path / "nope").exists() and not (tmp_path / "local").exists()
 
 
@@ -199,7 +204,8 @@ def test_a_checkpoint_of_bin_files_only_downloads_them(hub, tmp_path):
     same_model(tmp_path / "from-hub", tmp_path / "from-folder")
 
 
-@pytest.mark.parametrize("case", ["500", "missing", "offline", "no-weights", "disk-full", "custom-code"])
+@pytest.mark.parametrize("case", ["500", "missing", "offline", "no-weights", "stale-index", "disk-full",
+                                  "not-an-id", "custom-code"])
 def test_each_failure_is_one_line_with_its_fix(hub, repo, tmp_path, monkeypatch, case):
     hub.repos[REPO] = {"main": repo}
     out = tmp_path / "out"
@@ -216,6 +222,14 @@ def test_each_failure_is_one_line_with_its_fix(hub, repo, tmp_path, monkeypatch,
         for p in [*repo.glob("*.safetensors*"), repo / "pytorch_model.bin"]:
             p.unlink()
         fails(run("convert", REPO, out), "has no safetensors or PyTorch .bin weights", "hf download")
+    elif case == "stale-index":  # the index names a shard the repository lacks
+        index = json.loads((repo / "model.safetensors.index.json").read_text())
+        index["weight_map"]["extra.weight"] = "model-99999-of-99999.safetensors"
+        (repo / "model.safetensors.index.json").write_text(json.dumps(index))
+        fails(run("convert", REPO, out), "weight index names model-99999-of-99999.safetensors", "--revision")
+    elif case == "not-an-id":  # a mistyped path that is no valid repository id either: no request
+        fails(run("convert", "../no-such-model", out), "no such file or directory")
+        assert hub.requests == []
     elif case == "disk-full":
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -265,9 +279,10 @@ def test_other_commands_take_a_hub_id(hub, repo, tmp_path):
     assert json.loads(result.stdout)["sets"]["text"]["ppl_ratio"] > 0
     result = run("inspect", REPO, "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["family"] == "llama", result.output
+    hub.requests.clear()
     result = run("compress", "someorg/tiny-stem", tmp_path / "int8", "--table-dtype", "int8", "--table-block", "16", "--quiet")
     assert result.exit_code == 0, result.output
-    assert set(hub.fetched()) >= {p.name for p in (tmp_path / "stem").iterdir()}  # a STEM model: all of it
+    assert hub.fetched() == {p.name for p in (tmp_path / "stem").iterdir()}  # a STEM model: all of it
     result = run("edit", "someorg/tiny-stem", "--swap", "w1=w2")  # the spans it maps; nothing written
     assert result.exit_code == 0 and "w1" in result.output, result.output
     fails(run("edit", "someorg/tiny-stem", "--undo"), "a download in the Hugging Face cache", "--output DIR")

@@ -42,7 +42,7 @@ class ModelSection:
     def hub(self, token: str | None = None, progress: bool = True) -> HubOptions:
         """How `source` is fetched when it is a hub id."""
         return HubOptions(revision=self.revision or None, token=token, trust_remote_code=self.trust_remote_code,
-                          progress=progress)
+                          progress=progress, revision_from="model.revision")
 
 
 @dataclass
