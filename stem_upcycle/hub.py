@@ -58,6 +58,7 @@ class Snapshot:
     folder: Path  # HF_HUB_CACHE/models--ORG--NAME/snapshots/COMMIT
     pending: dict[str, int] = field(default_factory=dict)  # files still to download: name -> bytes
     wanted: list[str] = field(default_factory=list)  # every file the checkpoint needs
+    stem: bool = False  # a STEM model (fetched whole)
 
     @property
     def commit(self) -> str:
@@ -104,7 +105,8 @@ def fetch_small_files(repo_id: str, options: HubOptions) -> Snapshot:
     if folder.name != commit:  # the branch moved between the file list and the download
         raise HubError(f"{repo_id}{revision} changed while it was being fetched (commit {commit[:12]}, then "
                        f"{folder.name[:12]}): run again, or pin a commit with {options.revision_from}")
-    if _model_type(folder) == "stem":
+    stem = _model_type(folder) == "stem"
+    if stem:
         wanted = list(files)  # a STEM model: all of it
     else:
         try:
@@ -122,7 +124,7 @@ def fetch_small_files(repo_id: str, options: HubOptions) -> Snapshot:
                            f"revision that works ({options.revision_from})")
         wanted = small + weights
     pending = {name: files[name] for name in wanted if not (folder / name).is_file()}
-    return Snapshot(repo_id, folder, pending, wanted)
+    return Snapshot(repo_id, folder, pending, wanted, stem)
 
 
 def fetch_weights(snapshot: Snapshot, options: HubOptions, also: list[DiskNeed] = ()) -> None:

@@ -123,15 +123,15 @@ class Source:
 
     @property
     def files_bytes(self) -> int:
-        """Bytes of the weight files on disk."""
-        return sum(f.stat().st_size for f in self.weight_files)
+        """Bytes of the weight files on disk (not downloaded yet: what they will take)."""
+        return sum(f.stat().st_size for f in self.weight_files) if self.weight_files else self.pending_download
 
 
 def open_source(spec: str, hub: HubOptions = HubOptions(), weights: bool = True,
                 before_weights: Callable[[Source], list[DiskNeed]] | None = None) -> Source:
     """Open SOURCE as given on the command line. A hub id is fetched into the Hugging Face cache (hub.py), its
-    weights last: without `weights`, the source holds their shapes only (tensors on the meta device) and what
-    they would download; before they are downloaded, `before_weights` gets that source to check the model and
+    weights last: without `weights`, a dense source holds their shapes only (tensors on the meta device) and what
+    they would download (a STEM model is fetched whole); before they are downloaded, `before_weights` gets that source to check the model and
     to say what the caller will write where (a conversion's output), for the disk check."""
     if spec in ALIASES:
         _local(spec, hub)
@@ -158,7 +158,7 @@ def _local(spec: str, hub: HubOptions) -> None:
 
 def _open_hub(repo_id: str, hub: HubOptions, weights: bool, before_weights) -> Source:
     snapshot = fetch_small_files(repo_id, hub)
-    if snapshot.pending and (before_weights or not weights):
+    if snapshot.pending and (before_weights or not (weights or snapshot.stem)):
         shapes = _open_directory(snapshot.folder, repo_id, hub.trust_remote_code, shapes_only=True)
         shapes = replace(shapes, hub_id=repo_id, revision=snapshot.commit, pending_download=snapshot.pending_bytes)
         if not weights:
@@ -265,7 +265,10 @@ def _shapes(config: PretrainedConfig, trust_remote_code: bool) -> "StateDictStor
 
         family_for(config.model_type)  # the families stem-upcycle converts, named in one line
         raise SourceError(f"model_type {config.model_type!r} has no causal LM class in Transformers") from None
-    return StateDictStore(model.state_dict())
+    tensors = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)  # a tied head is stored once, as the embedding: not in the checkpoint
+    return StateDictStore(tensors)
 
 
 def _cached_repo(path: Path) -> tuple[str | None, str | None]:

@@ -349,7 +349,8 @@ def inspect(path, as_json, table_stats, sample, seed, reference, text_files, tex
 
     if nearest is not None and table_stats:
         raise click.UsageError("give --tables or --nearest, not both")
-    source = open_source(path, _hub(revision, token, trust_remote_code))
+    shapes_will_do = nearest is None and not table_stats  # a dense hub id's weights are not downloaded for it
+    source = open_source(path, _hub(revision, token, trust_remote_code), weights=not shapes_will_do)
     if nearest is not None:
         click.echo(_nearest(source, nearest, layer, top, as_json))
     elif table_stats:  # a reference given by hub id: its main revision

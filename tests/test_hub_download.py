@@ -268,17 +268,22 @@ def test_a_dry_run_fetches_no_weights_and_plans_as_the_download_will(hub, repo, 
 
 
 def test_other_commands_take_a_hub_id(hub, repo, tmp_path):
-    """eval --reference and inspect fetch a dense parent by id; compress and edit a STEM model (fetched whole)."""
+    """eval --reference fetches a dense parent by id, inspect reads its config alone; compress and edit a STEM
+    model (fetched whole)."""
     hub.repos[REPO] = {"main": repo}
     convert(repo, tmp_path / "stem")
     hub.repos["someorg/tiny-stem"] = {"main": tmp_path / "stem"}
+    hub.repos["someorg/other"] = {"main": repo}  # not fetched yet
     (tmp_path / "text.txt").write_text(markov_text(300, 0))
     result = run("eval", tmp_path / "stem", "--data", tmp_path / "text.txt", "--reference", REPO, "--json", "--quiet",
                  "--window", "64")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["sets"]["text"]["ppl_ratio"] > 0
-    result = run("inspect", REPO, "--json")
-    assert result.exit_code == 0 and json.loads(result.stdout)["family"] == "llama", result.output
+    hub.requests.clear()
+    by_id, by_folder = run("inspect", "someorg/other", "--json"), run("inspect", repo, "--json")
+    assert by_id.exit_code == 0, by_id.output
+    assert json.loads(by_id.stdout) == json.loads(by_folder.stdout)  # from the config alone: the same summary
+    assert not hub.fetched() & {p.name for p in repo.glob("*.safetensors")}  # and no weights downloaded
     hub.requests.clear()
     result = run("compress", "someorg/tiny-stem", tmp_path / "int8", "--table-dtype", "int8", "--table-block", "16", "--quiet")
     assert result.exit_code == 0, result.output
