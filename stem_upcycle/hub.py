@@ -254,10 +254,7 @@ def _one_line_errors(repo_id: str, options: HubOptions) -> Iterator[None]:
                            f"later") from None
         raise HubError(f"the Hub answered {status} for {repo_id} ({_cause(err)}); check the id and "
                        f"{options.revision_from}") from None
-    except LocalEntryNotFoundError as err:  # the Hub unreachable and the files not cached
-        raise HubError(f"{UNREACHABLE} at {constants.ENDPOINT} ({_cause(err)}) to fetch {repo_id}: check the "
-                       f"network, then run again (a cut download resumes)") from None
-    except OSError as err:
+    except OSError as err:  # LocalEntryNotFoundError (the Hub unreachable, the files not cached) is one too
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise HubError(f"the disk filled while downloading {repo_id} into {constants.HF_HUB_CACHE} "
                            f"({err.strerror}): free space (or set HF_HUB_CACHE to a larger disk) and run again; the "
@@ -265,12 +262,20 @@ def _one_line_errors(repo_id: str, options: HubOptions) -> Iterator[None]:
         if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise HubError(f"cannot write to the Hugging Face cache {constants.HF_HUB_CACHE} ({err.strerror}): "
                            f"set HF_HOME or HF_HUB_CACHE to a folder of yours") from None
-        raise
+        if not (isinstance(err, LocalEntryNotFoundError) or _is_network_error(err)):
+            raise
+        raise _unreachable(repo_id, err) from None
     except Exception as err:
         if not _is_network_error(err):
             raise
-        raise HubError(f"{UNREACHABLE} at {constants.ENDPOINT} ({_cause(err)}) to fetch {repo_id}: check the "
-                       f"network, then run again (a cut download resumes)") from None
+        raise _unreachable(repo_id, err) from None
+
+
+def _unreachable(repo_id: str, err: Exception) -> HubError:
+    from huggingface_hub import constants
+
+    return HubError(f"{UNREACHABLE} at {constants.ENDPOINT} ({_cause(err)}) to fetch {repo_id}: check the network, "
+                    f"then run again (a cut download resumes)")
 
 
 def _is_network_error(err: Exception) -> bool:

@@ -204,7 +204,7 @@ def test_a_checkpoint_of_bin_files_only_downloads_them(hub, tmp_path):
     same_model(tmp_path / "from-hub", tmp_path / "from-folder")
 
 
-@pytest.mark.parametrize("case", ["500", "missing", "offline", "no-weights", "stale-index", "disk-full",
+@pytest.mark.parametrize("case", ["500", "refused", "missing", "offline", "no-weights", "stale-index", "disk-full",
                                   "not-an-id", "custom-code"])
 def test_each_failure_is_one_line_with_its_fix(hub, repo, tmp_path, monkeypatch, case):
     hub.repos[REPO] = {"main": repo}
@@ -212,6 +212,12 @@ def test_each_failure_is_one_line_with_its_fix(hub, repo, tmp_path, monkeypatch,
     if case == "500":
         hub.failing = 500
         fails(run("convert", REPO, out), "cannot reach the Hub: it answered 500", "try again later")
+    elif case == "refused":  # the connection refused (an OSError, as the client raises it on some systems)
+        def refused(*args, **kwargs):
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+
+        monkeypatch.setattr(huggingface_hub.HfApi, "model_info", refused)
+        fails(run("convert", REPO, out), "cannot reach the Hub at", "ConnectionRefusedError", "check the network")
     elif case == "missing":
         fails(run("convert", "someorg/nothing", out), "someorg/nothing is not a repository on", "check the id")
     elif case == "offline":
