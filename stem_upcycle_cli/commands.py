@@ -79,6 +79,12 @@ OVERWRITE = click.option("--overwrite", is_flag=True,
                          help="Replace OUT if it is not empty (only once the new model is complete).")
 
 
+def token_option(what: str):
+    return click.option("--token", default=None, metavar="TOKEN",
+                        help=f"Hugging Face token for gated or private repositories{what} (default: HF_TOKEN, else "
+                             "the stored `hf auth login`).")
+
+
 def hub_options(argument: str, recorded: bool = False, dense: bool = True):
     """--revision, --token and (`dense`: ARGUMENT may be a dense checkpoint) --trust-remote-code: how the
     checkpoint ARGUMENT is fetched when it is a hub id (into the Hugging Face cache, as Transformers fetches it),
@@ -88,9 +94,7 @@ def hub_options(argument: str, recorded: bool = False, dense: bool = True):
             fn = click.option("--trust-remote-code", is_flag=True,
                               help=f"Allow a {argument} whose config needs its own code (config.json's auto_map): "
                                    "that code runs on this machine; only for authors you trust.")(fn)
-        fn = click.option("--token", default=None, metavar="TOKEN",
-                          help="Hugging Face token for gated or private repositories (default: HF_TOKEN, else the "
-                               "stored `hf auth login`).")(fn)
+        fn = token_option("")(fn)
         return click.option("--revision", default=None, metavar="REV",
                             help=f"Branch, tag or commit of {argument} when it is a hub id (default: main)"
                                  + ("; its commit is recorded in the output's config and card." if recorded
@@ -554,9 +558,7 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
 @click.option("--launch-config", type=click.Path(exists=True, dir_okay=False),
               help="With --plan: the accelerate config the run will be launched with (processes, machines, FSDP); "
                    "default: one process, on this machine's GPU if it has one.")
-@click.option("--token", default=None, metavar="TOKEN",
-              help="Hugging Face token for a model.source in a gated or private repository (default: HF_TOKEN, else "
-                   "the stored `hf auth login`); model.revision pins its revision.")
+@token_option(" (model.source; model.revision pins its revision)")
 @_fail_cleanly
 def train(recipe, output, overrides, resume, quiet, plan_only, launch_config, token):
     """Recovery training of a STEM model by RECIPE (YAML): KL to the dense teacher + cross-entropy.
