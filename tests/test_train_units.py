@@ -1,6 +1,7 @@
 """Building blocks of `stem-upcycle train`: head loss, table optimizers, hand-off, recipe, data."""
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,28 @@ def test_shared_tables_are_one_copy_whose_rows_each_process_updates_once(tmp_pat
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(processes[1][1].state_dict()[name], value, rtol=0, atol=1e-6)
     assert (tmp_path / "host" / "table.0.bin").stat().st_size == 30 * 6 * 4
+
+
+def test_a_full_disk_for_the_host_copy_is_one_line_not_a_bus_error(tmp_path, monkeypatch):
+    """The host copy's blocks are reserved before the file is mapped: where the disk is full, filling a sparse
+    mapped file would kill the process with SIGBUS; reserving them fails with ENOSPC, reported in one line."""
+    import errno
+
+    from stem_upcycle.errors import UserError
+
+    shared = SharedTables(tmp_path / "host", 0, 1)
+    weight = shared.tensor("table.0", (30, 6), fill=lambda a, b: torch.ones(b - a, 6))
+    assert os.stat(tmp_path / "host" / "table.0.bin").st_blocks * 512 >= 30 * 6 * 4  # blocks behind every page
+    assert torch.equal(weight, torch.ones(30, 6))
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(UserError, match=r"^no space for the tables' host copy in .*host: table\.1\.bin needs "
+                                        r"0\.00 GiB; free space there or set tables\.host_dir"):
+        shared.tensor("table.1", (30, 6), fill=lambda a, b: torch.ones(b - a, 6))
+    assert (tmp_path / "host" / "table.1.bin").stat().st_size == 0  # nothing that looks filled
 
 
 @pytest.mark.parametrize("model_type, first_token, columns", [

@@ -17,11 +17,15 @@ One host copy per machine (`SharedTables`): the tables and their optimizer state
 by every process of the machine, and each row is updated by one process only.
 """
 
+import errno
 import itertools
 import math
+import os
 from pathlib import Path
 
 import torch
+
+from ..errors import UserError
 
 ROWS_PER_COPY = 4096  # rows copied at once when a shared table is filled
 
@@ -49,8 +53,8 @@ class SharedTables:
         path = self.folder / f"{name}.bin"
         numel = math.prod(shape)
         if self.local_rank == 0:
-            with path.open("wb") as f:  # a file of zeros, written only where filled
-                f.truncate(numel * dtype.itemsize)
+            with path.open("wb") as f:
+                self._allocate(f, numel * dtype.itemsize)
             if fill is not None:
                 mapped = self._map(path, shape, dtype)
                 for start in range(0, shape[0], ROWS_PER_COPY):
@@ -84,6 +88,22 @@ class SharedTables:
         except OSError:
             pass
         return [kb / 2**20 for kb in sizes]
+
+    def _allocate(self, file, size: int) -> None:
+        """Give `file` `size` bytes of zeros, its blocks reserved now: a page of a mapped file with no block behind
+        it kills the process with SIGBUS when the disk is full, where reserving them is an error to report."""
+        try:
+            if hasattr(os, "posix_fallocate"):  # not on macOS, which has no sparse-file SIGBUS of this kind
+                os.posix_fallocate(file.fileno(), 0, size)
+            else:
+                file.truncate(size)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            file.truncate(0)
+            raise UserError(f"no space for the tables' host copy in {self.folder}: {Path(file.name).name} needs "
+                            f"{size / 2**30:.2f} GiB; free space there or set tables.host_dir to a folder "
+                            f"with room (/dev/shm keeps it in RAM)") from None
 
     @staticmethod
     def _map(path: Path, shape, dtype) -> torch.Tensor:
