@@ -565,7 +565,9 @@ class StemModel(StemPreTrainedModel):
         # Transformers model through its base model, calls `forward` directly, past nn.Module's hooks
         # (and reads the names of its arguments).
         kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      past_key_values=past_key_values, inputs_embeds=inputs_embeds)
+                      inputs_embeds=inputs_embeds)
+        if past_key_values is not None:  # handed on only when given: Transformers 5.25 names it `cache` (in kwargs)
+            kwargs["past_key_values"] = past_key_values  # and warns of the old name, even as None
         _start_forward(self, (), kwargs)
         output = super().forward(**kwargs)
         _end_forward(self, (), kwargs, output)
