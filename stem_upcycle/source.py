@@ -131,8 +131,9 @@ def open_source(spec: str, hub: HubOptions = HubOptions(), weights: bool = True,
                 before_weights: Callable[[Source], list[DiskNeed]] | None = None) -> Source:
     """Open SOURCE as given on the command line. A hub id is fetched into the Hugging Face cache (hub.py), its
     weights last: without `weights`, a dense source holds their shapes only (tensors on the meta device) and what
-    they would download (a STEM model is fetched whole); before they are downloaded, `before_weights` gets that source to check the model and
-    to say what the caller will write where (a conversion's output), for the disk check."""
+    they would download (a STEM model is fetched whole); before they are downloaded, `before_weights` gets that
+    source to check the model and to say what the caller will write where (a conversion's output), for the disk
+    check."""
     if spec in ALIASES:
         _local(spec, hub)
         return replace(_open_gguf(_alias_path(spec), spec), hub_id=ALIASES[spec][3])

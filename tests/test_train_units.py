@@ -133,6 +133,7 @@ def test_a_full_disk_for_the_host_copy_is_one_line_not_a_bus_error(tmp_path, mon
     weight = shared.tensor("table.0", (30, 6), fill=lambda a, b: torch.ones(b - a, 6))
     assert os.stat(tmp_path / "host" / "table.0.bin").st_blocks * 512 >= 30 * 6 * 4  # blocks behind every page
     assert torch.equal(weight, torch.ones(30, 6))
+    assert shared.tensor("empty", (0, 6)).shape == (0, 6)  # nothing to reserve (fallocate of 0 bytes is EINVAL)
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")

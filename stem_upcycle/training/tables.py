@@ -93,7 +93,7 @@ class SharedTables:
         """Give `file` `size` bytes of zeros, its blocks reserved now: a page of a mapped file with no block behind
         it kills the process with SIGBUS when the disk is full, where reserving them is an error to report."""
         try:
-            if hasattr(os, "posix_fallocate"):  # not on macOS, which has no sparse-file SIGBUS of this kind
+            if size and hasattr(os, "posix_fallocate"):  # 0 bytes: EINVAL; macOS lacks it (the file stays sparse)
                 os.posix_fallocate(file.fileno(), 0, size)
             else:
                 file.truncate(size)
