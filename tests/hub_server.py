@@ -10,7 +10,8 @@ server (its tests run against the real Hub), so this is written here: what a use
 A repository is a folder (its one revision, `main`) or {revision: folder} (branches or tags; each revision gets a
 commit hash, which also names it). Every request is recorded (`requests`), so a test can say which files were
 fetched; and a test can make the Hub misbehave: gate a repository (`gated`), accept only some tokens (`tokens`),
-answer every request with an error (`failing`), or cut a file's first download after some bytes (`cut_once`).
+answer every request with an error (`failing`, with `failing_message`), list files it then answers 404 for
+(`gone`: deleted after the listing), or cut a file's first download after some bytes (`cut_once`).
 """
 
 import hashlib
@@ -48,6 +49,8 @@ class LocalHub:
         self.gated: set[str] = set()  # repositories whose files need a token of `tokens`
         self.tokens: set[str] | None = None  # the valid tokens (None: any token is valid)
         self.failing: int | None = None  # a status every request is answered with (500: the Hub is down)
+        self.failing_message = "failing"  # its X-Error-Message ("Access to this resource is disabled.": 403's)
+        self.gone: set[str] = set()  # file names listed by the API, then 404 EntryNotFound when fetched
         self.cut_once: dict[str, int] = {}  # file name -> bytes sent before its first GET is cut
         hub = self
 
@@ -84,7 +87,8 @@ class LocalHub:
         headers = {k: handler.headers[k] for k in ("Range", "Authorization") if handler.headers.get(k)}
         self.requests.append(Request(handler.command, path, headers))
         if self.failing is not None:
-            return self._send(handler, self.failing, b'{"error": "failing"}', {"Retry-After": "0"}, body)
+            return self._send(handler, self.failing, b'{"error": "failing"}',
+                              {"Retry-After": "0", "X-Error-Message": self.failing_message}, body)
         token = headers.get("Authorization", "").removeprefix("Bearer ")
         if token and self.tokens is not None and token not in self.tokens:
             return self._send(handler, 401, b"", {"X-Error-Message": "Invalid credentials in Authorization header"},
@@ -101,7 +105,7 @@ class LocalHub:
         if repo in self.gated and not (token and (self.tokens is None or token in self.tokens)):
             return self._send(handler, 401, b"", {"X-Error-Code": "GatedRepo", "X-Error-Message": "gated"}, body)
         file = folder / filename
-        if not file.is_file():
+        if not file.is_file() or filename in self.gone:
             return self._send(handler, 404, b"", {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit}, body)
         return self._file(handler, file, filename, commit, headers.get("Range"), body)
 

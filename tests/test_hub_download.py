@@ -204,8 +204,9 @@ def test_a_checkpoint_of_bin_files_only_downloads_them(hub, tmp_path):
     same_model(tmp_path / "from-hub", tmp_path / "from-folder")
 
 
-@pytest.mark.parametrize("case", ["500", "refused", "missing", "offline", "no-weights", "stale-index", "disk-full",
-                                  "not-an-id", "custom-code"])
+@pytest.mark.parametrize("case", ["500", "refused", "400", "disabled", "missing", "offline", "no-weights",
+                                  "stale-index", "file-gone", "moved", "disk-full", "read-only-cache", "not-an-id",
+                                  "custom-code"])
 def test_each_failure_is_one_line_with_its_fix(hub, repo, tmp_path, monkeypatch, case):
     hub.repos[REPO] = {"main": repo}
     out = tmp_path / "out"
@@ -218,6 +219,12 @@ def test_each_failure_is_one_line_with_its_fix(hub, repo, tmp_path, monkeypatch,
 
         monkeypatch.setattr(huggingface_hub.HfApi, "model_info", refused)
         fails(run("convert", REPO, out), "cannot reach the Hub at", "ConnectionRefusedError", "check the network")
+    elif case == "400":  # a client error other than 401/403: the request is wrong, so the cache does not stand in
+        hub.failing = 400
+        fails(run("convert", REPO, out), f"the Hub answered 400 for {REPO}", "check the id and --revision")
+    elif case == "disabled":  # the Hub's answer for a repository it disabled
+        hub.failing, hub.failing_message = 403, "Access to this resource is disabled."
+        fails(run("convert", REPO, out), f"{REPO} is disabled on the Hub", "use another repository")
     elif case == "missing":
         fails(run("convert", "someorg/nothing", out), "someorg/nothing is not a repository on", "check the id")
     elif case == "offline":
@@ -233,6 +240,17 @@ def test_each_failure_is_one_line_with_its_fix(hub, repo, tmp_path, monkeypatch,
         index["weight_map"]["extra.weight"] = "model-99999-of-99999.safetensors"
         (repo / "model.safetensors.index.json").write_text(json.dumps(index))
         fails(run("convert", REPO, out), "weight index names model-99999-of-99999.safetensors", "--revision")
+    elif case == "file-gone":  # a shard listed, then deleted before it is fetched
+        hub.gone = {sorted(p.name for p in repo.glob("*.safetensors"))[0]}
+        fails(run("convert", REPO, out), f"{REPO} no longer holds a file it listed", "pin a commit with --revision")
+    elif case == "moved":  # the branch moved on between the file list and the download
+        from stem_upcycle import hub as hub_module
+
+        listed = hub_module._repository_files
+        monkeypatch.setattr(hub_module, "_repository_files", lambda *a: (listed(*a)[0], commit_of("before")))
+        fails(run("convert", REPO, out), f"{REPO} changed while it was being fetched",
+              f"commit {commit_of('before')[:12]}, then {COMMIT[:12]}", "pin a commit with --revision")
+        assert not hub.fetched() & {p.name for p in repo.glob("*.safetensors")}  # no weights of either commit
     elif case == "not-an-id":  # a mistyped path that is no valid repository id either: no request
         fails(run("convert", "../no-such-model", out), "no such file or directory")
         assert hub.requests == []
@@ -242,6 +260,12 @@ def test_each_failure_is_one_line_with_its_fix(hub, repo, tmp_path, monkeypatch,
 
         monkeypatch.setattr(huggingface_hub.file_download, "http_get", full)
         fails(run("convert", REPO, out), "the disk filled while downloading", "the download resumes")
+    elif case == "read-only-cache":
+        def denied(*args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+        monkeypatch.setattr(huggingface_hub.file_download, "http_get", denied)
+        fails(run("convert", REPO, out), "cannot write to the Hugging Face cache", "set HF_HOME or HF_HUB_CACHE")
     else:  # a config whose class is the repository's own code
         config = json.loads((repo / "config.json").read_text())
         config.update(model_type="tiny_custom", auto_map={"AutoConfig": "configuration_tiny.TinyConfig"})

@@ -131,8 +131,9 @@ def test_a_full_disk_for_the_host_copy_is_one_line_not_a_bus_error(tmp_path, mon
 
     shared = SharedTables(tmp_path / "host", 0, 1)
     weight = shared.tensor("table.0", (30, 6), fill=lambda a, b: torch.ones(b - a, 6))
-    assert os.stat(tmp_path / "host" / "table.0.bin").st_blocks * 512 >= 30 * 6 * 4  # blocks behind every page
     assert torch.equal(weight, torch.ones(30, 6))
+    state = shared.tensor("state.0", (3000, 6))  # zeros, never written: still blocks behind every page
+    assert os.stat(tmp_path / "host" / "state.0.bin").st_blocks * 512 >= 3000 * 6 * 4 and not state.any()
     assert shared.tensor("empty", (0, 6)).shape == (0, 6)  # nothing to reserve (fallocate of 0 bytes is EINVAL)
 
     def full(fd, offset, length):
