@@ -257,12 +257,12 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
     """A stream of `tokens` token ids sampled from the source model `model`, to calibrate on."""
     from stem_upcycle.errors import UserError
     from stem_upcycle.generate import GeneratedText, Sampling, as_stream
-    from stem_upcycle.loading import load_tokenizer
+    from stem_upcycle.loading import fast_dtype, load_tokenizer
 
     if tokens > calib_tokens:
         raise UserError(f"--calib-generate {tokens} is more than --calib-tokens {calib_tokens}; raise --calib-tokens")
     tokenizer = load_tokenizer(source)
-    text = GeneratedText(source, Sampling.covering(tokens))
+    text = GeneratedText(source, Sampling.covering(tokens, dtype=fast_dtype(model.device)))
     ids, stats = text.ensure(model, tokenizer, progress=progress)
     if stats:
         click.echo(text.describe(stats["tokens"], stats["seconds"]), err=True)

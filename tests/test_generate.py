@@ -44,7 +44,9 @@ def test_top_k_start_keeps_the_first_tokens_among_the_k_most_likely(tmp_path):
     ids = sample_batch(model, tokenizer, Sampling(sequences=16, length=8, batch_size=16, first_tokens=4,
                                                   first_top_k=3), 0).long()
     with torch.no_grad():
-        top3 = model(ids).logits[:, :4].topk(3, -1).indices  # [16, 4, 3]
+        logits = model(ids).logits[:, :4]
+    logits[..., EOS] = float("-inf")  # end-of-text is never drawn, so never among the k
+    top3 = logits.topk(3, -1).indices  # [16, 4, 3]
     assert (top3 == ids[:, 1:5, None]).any(-1).all()
 
 

@@ -12,6 +12,7 @@ import torch
 
 from ..convert import plan_conversion, run_conversion
 from ..generate import GeneratedText, Sampling, as_stream
+from ..loading import fast_dtype
 from ..neurons import parse_columns
 from ..source import open_source
 from ..table_init import INITIALISERS, FitOptions, InitOptions
@@ -32,7 +33,8 @@ def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> t
         raise RecipeError(f"generated.length {length} passes the teacher's context of {context} positions; "
                           f"give at most {context}")
     sampling = Sampling.covering(g.tokens, length=length, batch_size=g.batch_size, first_tokens=g.first_tokens,
-                                 first_top_k=g.first_top_k, temperature=g.temperature, seed=g.seed)
+                                 first_top_k=g.first_top_k, temperature=g.temperature, seed=g.seed,
+                                 dtype=fast_dtype(teacher.device))
     text = GeneratedText(source, sampling, g.cache_dir)
     with acc.autocast():  # every process generates its share of the missing batches
         mine = text.generate(teacher, tokenizer, acc.process_index, acc.num_processes,
