@@ -17,15 +17,14 @@ One host copy per machine (`SharedTables`): the tables and their optimizer state
 by every process of the machine, and each row is updated by one process only.
 """
 
-import errno
 import itertools
 import math
-import os
 from pathlib import Path
 
 import torch
 
 from ..errors import UserError
+from ..mapped import NoSpace, map_file, reserve
 
 ROWS_PER_COPY = 4096  # rows copied at once when a shared table is filled
 
@@ -54,15 +53,20 @@ class SharedTables:
         numel = math.prod(shape)
         if self.local_rank == 0:
             with path.open("wb") as f:
-                self._allocate(f, numel * dtype.itemsize)
+                try:
+                    reserve(f, numel * dtype.itemsize)
+                except NoSpace:
+                    raise UserError(f"no space for the tables' host copy in {self.folder}: {path.name} needs "
+                                    f"{numel * dtype.itemsize / 2**30:.2f} GiB; free space there or set "
+                                    f"tables.host_dir to a folder with room (/dev/shm keeps it in RAM)") from None
             if fill is not None:
-                mapped = self._map(path, shape, dtype)
+                mapped = map_file(path, shape, dtype)
                 for start in range(0, shape[0], ROWS_PER_COPY):
                     stop = min(start + ROWS_PER_COPY, shape[0])
                     mapped[start:stop] = fill(start, stop)
                 del mapped
         self.wait()
-        return self._map(path, shape, dtype)
+        return map_file(path, shape, dtype)
 
     def zeros(self, name: str):
         """A `zeros(shape, dtype)` factory of shared tensors named NAME.0, NAME.1, ... for an optimizer's state."""
@@ -88,27 +92,6 @@ class SharedTables:
         except OSError:
             pass
         return [kb / 2**20 for kb in sizes]
-
-    def _allocate(self, file, size: int) -> None:
-        """Give `file` `size` bytes of zeros, its blocks reserved now: a page of a mapped file with no block behind
-        it kills the process with SIGBUS when the disk is full, where reserving them is an error to report."""
-        try:
-            if size and hasattr(os, "posix_fallocate"):  # 0 bytes: EINVAL; macOS lacks it (the file stays sparse)
-                os.posix_fallocate(file.fileno(), 0, size)
-            else:
-                file.truncate(size)
-        except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            file.truncate(0)
-            raise UserError(f"no space for the tables' host copy in {self.folder}: {Path(file.name).name} needs "
-                            f"{size / 2**30:.2f} GiB; free space there or set tables.host_dir to a folder "
-                            f"with room (/dev/shm keeps it in RAM)") from None
-
-    @staticmethod
-    def _map(path: Path, shape, dtype) -> torch.Tensor:
-        return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-
 
 def distinct_ids(ids: torch.Tensor) -> torch.Tensor:
     """The sorted distinct ids of a batch (any shape) in host memory, which `OffloadedTable.gather` takes:
