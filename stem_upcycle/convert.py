@@ -164,6 +164,34 @@ class ConversionPlan:
         return chunk_rows(self.config.intermediate_size)
 
     @property
+    def reads_parent_rows(self) -> bool:
+        """Whether the init reads every token's row from the parent (`InitOptions.parent`): a calibrating init's."""
+        return INITIALISERS[self.init].needs_data and self.init_options.parent.contexts > 0
+
+    @property
+    def parent_positions(self) -> int:
+        """Forward positions of the parent the whole vocabulary's rows take (vocab x contexts); 0: none read."""
+        return self.init_options.parent.positions(self.config.vocab_size) if self.reads_parent_rows else 0
+
+    @property
+    def parent_bytes(self) -> int:
+        """Bytes of the whole vocabulary's parent rows, kept on OUT's disk while the tables are written."""
+        if not self.reads_parent_rows:
+            return 0
+        width = sum(table_columns(self.config, layer) for layer in self.layers)
+        itemsize = 4 if self.dtype == torch.float32 else 2  # as the init keeps them: fp32 for fp32 tables, else bf16
+        return self.config.vocab_size * width * itemsize
+
+    def parent_flops(self) -> float:
+        """FLOPs of the parent's forwards that read every token's rows: 2 x the weights of its layers up to the
+        last STEM layer per position (the contexts' own positions are 1/10 of it more)."""
+        cfg = self.config
+        d, d_ff, heads, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or d // heads
+        per_layer = d * head_dim * (2 * heads + 2 * kv) + 3 * d * d_ff
+        return 2.0 * per_layer * (max(self.layers) + 1) * self.parent_positions
+
+    @property
     def fits(self) -> bool:
         """Whether the init fits the layers one after another (`FitOptions`), a calibrating init's option."""
         return INITIALISERS[self.init].needs_data and self.init_options.fit.active
@@ -203,6 +231,10 @@ class ConversionPlan:
             f"tables     {len(self.layers)} x [{cfg.vocab_size}, {describe_widths(cfg)}] {self.table_format.describe()}"
             f" = {self.table_bytes / gb:.2f} GB ({self.table_bytes / len(self.layers) / gb:.2f} GB each), "
             f"{table_layout(cfg.stem_table_groups)}",
+            *([f"parent     every token read after {self.init_options.parent.contexts} contexts of "
+               f"{self.init_options.parent.context_length} tokens: {self.parent_positions:,} positions of the source "
+               f"({self.parent_flops() / 1e12:.0f} TFLOP), its rows kept on OUT's disk while the tables are written "
+               f"({self.parent_bytes / gb:.2f} GB)"] if self.reads_parent_rows else []),
             f"output     {self.total_bytes / gb:.2f} GB in {len(self.shards)} shard(s)",
             f"peak RAM   ~{self.ram_estimate() / gb:.1f} GB (estimate)",
         ]
@@ -541,8 +573,9 @@ def stem_config(dense, family: Family, layers: list[int], init: str, dtype: torc
 OUTPUT_SLACK = 64 * 2**20  # a converted model's bytes besides its weights: tokenizer, config, card, some slack
 
 
-def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) -> None:
-    """Refuse, before writing anything, what would lose data or cannot finish."""
+def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int, scratch_bytes: int = 0) -> None:
+    """Refuse, before writing anything, what would lose data or cannot finish (`scratch_bytes`: what is kept on the
+    disk while the output is written, the parent rows)."""
     if out.exists() and not out.is_dir():
         raise ConversionError(f"{out} is a file; give a directory for the converted model")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -556,24 +589,26 @@ def check_output(out: Path, overwrite: bool, source: Source, needed_bytes: int) 
         raise ConversionError(f"cannot write to {parent} ({err.strerror}); choose an OUT on a writable disk") from None
     free = shutil.disk_usage(parent).free
     needed = needed_bytes + OUTPUT_SLACK
-    if free < needed:
+    if free < needed + scratch_bytes:
+        meanwhile = f" and the parent's rows {scratch_bytes / 1e9:.2f} GB while it is written" if scratch_bytes else ""
         raise ConversionError(
-            f"not enough disk space at {parent}: the output needs {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; "
-            f"free space, choose another OUT, or convert fewer layers with --layers"
+            f"not enough disk space at {parent}: the output needs {needed / 1e9:.2f} GB{meanwhile}, {free / 1e9:.2f} GB "
+            f"are free; free space, choose another OUT, or convert fewer layers with --layers"
         )
 
 
 def output_disk_need(plan: ConversionPlan, out: Path, overwrite: bool) -> DiskNeed:
     """OUT checked as `run_conversion` will check it, and what the conversion writes there (to check with a
-    download's bytes where both share a disk)."""
-    check_output(out, overwrite, plan.source, plan.total_bytes)
-    return DiskNeed(out, plan.total_bytes + OUTPUT_SLACK, "the output")
+    download's bytes where both share a disk): the output, and the parent rows kept beside it while it is written."""
+    check_output(out, overwrite, plan.source, plan.total_bytes, plan.parent_bytes)
+    return DiskNeed(out, plan.total_bytes + plan.parent_bytes + OUTPUT_SLACK, "the output")
 
 
 def run_conversion(plan: ConversionPlan, out: Path, overwrite: bool = False, progress: bool = True, command: str = "") -> Path:
     """Write the STEM checkpoint to OUT; nothing appears at OUT unless the whole model was written."""
     out = Path(out)
-    check_output(out, overwrite, plan.source, plan.total_bytes)
+    check_output(out, overwrite, plan.source, plan.total_bytes, plan.parent_bytes)
+    plan.init_options.scratch_dir = existing_parent(out)  # the parent rows, on OUT's disk, gone once written
 
     def write(staging: Path) -> None:
         _write_weights(plan, staging, progress)

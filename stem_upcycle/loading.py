@@ -1,6 +1,7 @@
 """Loading a model or tokenizer from any SOURCE form `convert` accepts, for eval, calibration,
 layer scoring and training alike."""
 
+import os
 from pathlib import Path
 
 import torch
@@ -40,9 +41,19 @@ def native_bf16(device: torch.device) -> bool:
     return any(check() for check in checks if check is not None)
 
 
+FAST_DTYPE_ENV = "STEM_UPCYCLE_FAST_DTYPE"  # float32 or bfloat16: the same figures on every machine (tests set it)
+
+
 def fast_dtype(device: torch.device) -> torch.dtype:
     """The dtype that reads text fastest on `device` for work that keeps no gradients (sampling the parent's text,
-    reading its rows): bf16 where computed natively (5x fp32's tokens/s for SmolLM2 on 2 AMX cores), else fp32."""
+    reading its rows): bf16 where computed natively (5x fp32's tokens/s for SmolLM2 on 2 AMX cores), else fp32;
+    $STEM_UPCYCLE_FAST_DTYPE chooses one for every machine."""
+    chosen = os.environ.get(FAST_DTYPE_ENV)
+    if chosen:
+        if chosen not in ("float32", "bfloat16"):
+            raise LoadError(f"{FAST_DTYPE_ENV}={chosen} is not a dtype stem-upcycle reads text in; give float32 or "
+                            f"bfloat16, or unset it")
+        return getattr(torch, chosen)
     return torch.bfloat16 if native_bf16(device) else torch.float32
 
 

@@ -9,7 +9,7 @@ import sys
 import click
 
 from .options import (ALL_COLUMNS, DEFAULT_LAYER_GROUPS, DEFAULT_LAYERS, DTYPES, FIRST_TOKEN, FIT_DEFAULTS, INITS,
-                      MODES, PLACEMENTS, TABLE_BLOCKS, TABLE_DTYPES)
+                      MODES, PARENT_DEFAULTS, PLACEMENTS, TABLE_BLOCKS, TABLE_DTYPES)
 
 # `compress`'s default: the smallest format within its target on every held-out set (int4: perplexity within 2%
 # of bf16 tables; measured 0.9-1.9% on the recovered SmolLM2, benchmarks/README.md#table_formatspy).
@@ -142,6 +142,14 @@ def main():
               help="Of the calibration tokens, this many are text sampled from SOURCE itself (generated once, cached), "
                    "so that tokens the calibration text never shows get calibrated rows; alone, a data-free init.")
 @click.option("--calib-seq-len", default=512, show_default=True, type=WINDOW, help="Tokens per calibration forward.")
+@click.option("--parent-contexts", type=click.IntRange(min=0), default=PARENT_DEFAULTS["contexts"], show_default=True,
+              metavar="P", help="With --init calib: every vocabulary token is read by SOURCE after P contexts cut from "
+                                "the calibration text (vocabulary x P positions; the plan prints them), its row the "
+                                "mean there: the row of a token the text never shows, and what a calibrated mean is "
+                                "shrunk toward (--shrink). 0: unseen tokens get a ridge map from the embedding.")
+@click.option("--shrink", type=click.FloatRange(min=0), default=PARENT_DEFAULTS["shrink"], show_default=True,
+              metavar="K", help="With --parent-contexts: a token the calibration shows n times gets (n x its calibrated "
+                                "mean + K x its parent row) / (n + K). 0: its calibrated mean as it is.")
 @click.option("--first-token", type=click.Choice(FIRST_TOKEN), default="dense", show_default=True,
               help="What a sequence's first token (the attention sink, whose hidden states are its id's alone) reads in "
                    "a STEM layer: dense keeps the layer's up-projection for that token, table its row.")
@@ -170,9 +178,9 @@ def main():
 @hub_options("SOURCE", recorded=True)
 @QUIET
 @_fail_cleanly
-def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_generate, calib_seq_len, first_token, sequential,
-            refit_down, local_epochs, device, dtype, table_dtype, table_block, layer_groups, max_shard_size, overwrite,
-            dry_run, revision, token, trust_remote_code, quiet):
+def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_generate, calib_seq_len, parent_contexts,
+            shrink, first_token, sequential, refit_down, local_epochs, device, dtype, table_dtype, table_block,
+            layer_groups, max_shard_size, overwrite, dry_run, revision, token, trust_remote_code, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id (org/name: downloaded into the Hugging Face
@@ -189,13 +197,15 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
     from stem_upcycle.loading import model_from_source, resolve_device
     from stem_upcycle.source import open_source
     from stem_upcycle.table_init import INITIALISERS, FitOptions, InitOptions
+    from stem_upcycle.table_init.parent_rows import ParentRowOptions
     from stem_upcycle.neurons import parse_columns
     from stem_upcycle.table_init.layer_choice import is_auto
     from stem_upcycle.table_init.row_choice import check_columns
 
     device = resolve_device(device)
     fit = FitOptions(sequential=sequential, refit_down=refit_down, epochs=local_epochs)
-    options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, fit=fit)
+    options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, fit=fit,
+                          parent=ParentRowOptions(contexts=parent_contexts), shrink=shrink)
     if calib_generate:  # stands for the text a run samples, in a plan made before it (a dry run generates nothing)
         options.calib_generated = torch.zeros(0, dtype=torch.long)
 
@@ -243,7 +253,7 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
     if calib_data or calib_generate:
         words += [w for f in calib_data for w in ("--calib-data", f)]
         words += ["--calib-tokens", str(calib_tokens), "--calib-generate", str(calib_generate),
-                  "--calib-seq-len", str(calib_seq_len)]
+                  "--calib-seq-len", str(calib_seq_len), "--parent-contexts", str(parent_contexts), "--shrink", str(shrink)]
     if plan.fits:
         words += ["--sequential" if sequential else "--no-sequential", "--refit-down", str(refit_down),
                   "--local-epochs", str(local_epochs)]

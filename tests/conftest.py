@@ -31,8 +31,10 @@ FAMILY_CONFIGS = {
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
-    """Tokenised text and generated text go to a cache of this test session, never the user's."""
+    """Tokenised text and generated text go to a cache of this test session, never the user's; the parent's text and
+    rows are read in fp32 on every machine (loading.fast_dtype would take bf16 where a CPU has it natively)."""
     monkeypatch.setenv("STEM_UPCYCLE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("STEM_UPCYCLE_FAST_DTYPE", "float32")
 
 
 def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):

@@ -69,8 +69,13 @@ def test_where_closed_form_is_exact_calibration_reproduces_it(dense_with_tokeniz
     table = calib.model.layers[0].mlp.up_table.weight
     seen = torch.arange(0, 40)
     torch.testing.assert_close(table[seen], exact[seen], rtol=1e-4, atol=1e-5)
-    unseen = torch.arange(40, 96)  # a linear map fitted on exact rows predicts the others closely
-    assert (table[unseen] - exact[unseen]).norm() / exact[unseen].norm() < 0.05
+    unseen = torch.arange(40, 96)  # read by the parent after contexts: exact too, attention adding nothing
+    torch.testing.assert_close(table[unseen], exact[unseen], rtol=1e-4, atol=1e-5)
+    ridge = convert(src, tmp_path / "ridge", "--layers", "0", "--init", "calib", "--calib-data", text,
+                    "--calib-seq-len", "64", "--parent-contexts", "0").model.layers[0].mlp.up_table.weight
+    torch.testing.assert_close(ridge[seen], exact[seen], rtol=1e-4, atol=1e-5)
+    # without parent rows, a linear map fitted on exact rows predicts the others closely
+    assert (ridge[unseen] - exact[unseen]).norm() / exact[unseen].norm() < 0.05
     assert calib.config.stem_init == "calib"
 
 
@@ -80,7 +85,7 @@ def test_rows_are_the_gate_weighted_or_plain_mean_of_the_dense_up_projection(den
     dense, src = dense_with_tokenizer()
     text = calib_text(tmp_path, n=256)
     stem = convert(src, tmp_path / init, "--layers", "1", "--init", init, "--calib-data", text, "--calib-seq-len", "64",
-                   "--first-token", first_token)
+                   "--first-token", first_token, "--shrink", "0")  # the means themselves, not shrunk toward the parent
     ids = torch.tensor([int(w[1:]) for w in text.read_text().split()]).view(-1, 64)
     mlp = dense.model.layers[1].mlp
     skip = 1 if first_token == "dense" else 0  # a window's first token keeps W_up: its occurrence is no row's

@@ -1,22 +1,31 @@
 """Calibrated table initialisation: the dense model's own up-projections, averaged per token.
 
 The dense model reads a calibration corpus; at every STEM layer and every position, the MLP input
-x gives the up-projection u = W_up x and the gate s = act(W_gate x). A token's row is the
-gate-weighted mean sum s^2 * u / sum s^2 (elementwise), which minimises the error of s * U against
-s * u before the down-projection (`calib`), or the plain mean of u (`calib-mean`). Tokens the
-corpus never shows get a row from a ridge fit, per layer, of the calibrated rows on the
-closed-form inputs norm_l(E[v]) of the tokens that were seen.
+x gives the up-projection u = W_up x and the gate s = act(W_gate x). A token's calibrated mean is
+the gate-weighted mean sum s^2 * u / sum s^2 (elementwise), which minimises the error of s * U against
+s * u before the down-projection (`calib`), or the plain mean of u (`calib-mean`).
+
+One estimate per row weighs that mean by its evidence: the parent reads every vocabulary token after
+contexts of the same text (parent_rows.py), and a token the calibration shows n times gets
+(n * mean + k * parent row) / (n + k) (`InitOptions.shrink`, k): its calibrated mean where the text has
+seen it often, its parent row where it has seen it once or never. Empirical Bayes' shrinkage, the
+parent's own reading of the token as the prior. With no parent rows (`parent.contexts` 0), tokens the
+corpus never shows get a row from a ridge fit, per layer, of the calibrated rows on the closed-form
+inputs norm_l(E[v]) of the tokens that were seen, and seen tokens their mean.
 
 Accumulators hold one row per distinct calibration token and layer; when they exceed the memory
 budget the layers are calibrated in groups, one pass over the corpus per group. The dense model
 reads the corpus where it is (a GPU if the caller put it there), in its dtype; the accumulators
 are fp32. Several processes can share the work (`InitOptions.shard = (rank, world, reduce)`):
-each reads every world-th window and the accumulators are summed across them by `reduce`.
+each reads every world-th window and the accumulators are summed across them by `reduce`; the
+parent rows are read by the first process alone.
 """
 
+import copy
 import functools
 import math
 import sys
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -24,10 +33,11 @@ from transformers.activations import ACT2FN
 
 from ..errors import UserError
 from ..evaluate import read_token_ids
-from ..loading import load_tokenizer, model_from_source
+from ..loading import fast_dtype, load_tokenizer, model_from_source
 from ..modeling.modeling_stem import fit_ridge
 from .closed_form import ClosedFormInit, stem_projections
 from .layer_fit import LayerFitter, fitted_weights
+from .parent_rows import ParentPrior, ParentReader, cut_contexts
 from .protocol import InitOptions, InitTarget, RowsFn
 
 CALIB_MEMORY_BYTES = 2 * 2**30  # accumulators held at once, all layers of a pass together
@@ -42,17 +52,28 @@ class _StopForward(Exception):
     """Raised after the last STEM layer of a pass: later layers are not needed."""
 
 
+def in_dtype(model, dtype: str):
+    """`model` computing in `dtype` (a name, or auto: `loading.fast_dtype` of its device): itself, or a copy."""
+    wanted = fast_dtype(model.device) if dtype == "auto" else getattr(torch, dtype)
+    return model if next(model.parameters()).dtype == wanted else copy.deepcopy(model).to(wanted)
+
+
 def calibration_windows(source, options: InitOptions) -> torch.Tensor:
     """[n, seq_len] token ids: the calibration text's, then those of `calib_generated` (ids sampled from the
-    dense model itself, see generate.py), together at most `calib_tokens`; a tail that fills no window is dropped."""
+    dense model itself, see generate.py), together at most `calib_tokens`; a tail that fills no window is dropped.
+    Each entry of `calib_data` (a file, or a list of files: a genre) gives an equal share of the text's tokens, read
+    from its start, so that a mix of genres is calibrated on all of them."""
     seq_len = options.calib_seq_len
     generated = options.calib_generated
     generated = torch.zeros(0, dtype=torch.long) if generated is None else generated.flatten().long()
     total = options.calib_tokens
     text_budget = None if total is None else max(0, total - generated.numel())
     parts = [generated[:total]]
-    if options.calib_data and text_budget != 0:
-        parts.insert(0, read_token_ids(options.calib_data, load_tokenizer(source), text_budget))
+    groups = [[entry] if isinstance(entry, (str, Path)) else list(entry) for entry in options.calib_data]
+    if groups and text_budget != 0:
+        tokenizer = load_tokenizer(source)
+        share = None if text_budget is None else max(1, text_budget // len(groups))
+        parts[:0] = [read_token_ids(group, tokenizer, share) for group in groups]
     ids = torch.cat(parts)
     if ids.numel() < seq_len:
         raise CalibrationError(f"the calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
@@ -69,6 +90,12 @@ def skipped_positions(config) -> int:
 def calibrated_ids(windows: torch.Tensor, config) -> torch.Tensor:
     """The sorted distinct ids whose rows `windows` [n, seq_len] calibrate."""
     return windows[:, skipped_positions(config):].unique()
+
+
+def calibrated_counts(windows: torch.Tensor, config, seen: torch.Tensor) -> torch.Tensor:
+    """[len(seen)] float: how many positions of `windows` calibrate each id of `seen` (sorted)."""
+    return torch.bincount(torch.searchsorted(seen, windows[:, skipped_positions(config):].flatten()),
+                          minlength=seen.numel()).float()
 
 
 def in_fp32(fn):
@@ -102,10 +129,12 @@ class CalibratedInit(ClosedFormInit):
         self.progress = progress
         self.fit = options.fit
         self.dense_weights, self.fit_reports = {}, {}
+        self.shrink, self.shard = options.shrink, options.shard or (0, 1, None)
         reused = options.calibration  # computed already, for every layer, by --layers auto (or by every process)
         if (isinstance(reused, CalibratedInit) and reused.gate_weighted == self.gate_weighted
                 and reused.fit == self.fit and reused.columns == self.columns):
-            self.seen, self.means, self.projections = reused.seen, reused.means, reused.projections
+            self.seen, self.counts, self.means, self.projections = reused.seen, reused.counts, reused.means, reused.projections
+            self.prior, self.shrink, self.reading_model = reused.prior, reused.shrink, reused.reading_model
             self.dense_weights, self.fit_reports = reused.dense_weights, reused.fit_reports
             return
         self.windows = calibration_windows(self.source, options)
@@ -119,13 +148,19 @@ class CalibratedInit(ClosedFormInit):
             kept[picked] = False
             self.scoring_windows, self.windows = self.windows[picked], self.windows[kept]
         self.seen = calibrated_ids(self.windows, target.config)  # sorted ids the corpus calibrates
+        self.counts = calibrated_counts(self.windows, target.config, self.seen)
         model = options.dense_model or model_from_source(self.source)
-        shard = options.shard or (0, 1, None)
+        # text read without gradients (the calibration's sums, the parent's rows, a choice's scores) is read by the
+        # model in `parent.dtype` (bf16 where native: 5x fp32's tokens/s on 2 AMX cores); a fit trains in fp32
+        self.reading_model = in_dtype(model, options.parent.dtype)
+        shard = self.shard
+        self.prior = self._parent_prior(target, options) if options.parent.contexts else None
         if self.fit.active:  # layer after layer (layer_fit.py): rows, and the gate and down projections
-            self.means = self._fit(target, shard, model)
+            self.means = self._fit(target, shard, model)  # shrunk before they are fitted
         else:
-            self.means = self._calibrate(target, shard, self.windows, model)  # layer -> [n_seen, k]
-        self.projections = {layer: self._fit_projection(layer) for layer in target.layers}
+            means = self._calibrate(target, shard, self.windows, self.reading_model)  # layer -> [n_seen, k]
+            self.means = {layer: self._shrunk(layer, rows).cpu() for layer, rows in means.items()}
+        self.projections = {} if self.prior is not None else {layer: self._fit_projection(layer) for layer in target.layers}
         vocab = target.config.vocab_size
         rank, world, _ = shard
         if rank:
@@ -133,7 +168,9 @@ class CalibratedInit(ClosedFormInit):
         print(
             f"calibration: {self.windows.numel()} tokens, {self.seen.numel()} distinct "
             f"({self.seen.numel() / vocab:.1%} of the vocabulary)" + (f", read by {world} processes" if world > 1 else "")
-            + "; unseen tokens use the ridge fit",
+            + ("; unseen tokens use the ridge fit" if self.prior is None else
+               f"; every token's row shrunk toward the parent's (k = {self.shrink:g}), read after "
+               f"{options.parent.contexts} contexts of {options.parent.context_length} tokens"),
             file=sys.stderr,
         )
         if options.heldout_data:  # how much of the text to be scored has calibrated rows
@@ -162,7 +199,7 @@ class CalibratedInit(ClosedFormInit):
                 self._accumulate(num, den, x[:, skip:], compact[ids[:, skip:]], weights, activation)
             if reduce is not None:
                 num, den = reduce(num), reduce(den)
-            return num / den.clamp_min(1e-12)
+            return self._shrunk(layer, num / den.clamp_min(1e-12))
 
         steps = math.ceil(len(self.windows) // world / max(1, self.fit.batch_tokens // self.windows.shape[1]))
         fitter = LayerFitter(model, self.family, target.config, self.windows[rank::world], self.seen, self.fit,
@@ -171,6 +208,31 @@ class CalibratedInit(ClosedFormInit):
         mlps, self.fit_reports = fitter.run(target.layers, calibrate)
         self.dense_weights = fitted_weights(mlps, self.family)
         return {layer: mlp.up_table.rows.weight.detach().cpu() for layer, mlp in mlps.items()}
+
+    def _parent_prior(self, target: InitTarget, options: InitOptions) -> ParentPrior:
+        """Every token's parent row for the target's layers and columns, read after contexts of the calibration
+        windows: on demand for the tokens a choice scores (`scoring_windows`), else for the whole vocabulary, at
+        the first use, into a file in `scratch_dir`."""
+        reader = ParentReader(self.reading_model, self.family, target.config.stem_activation, target.layers,
+                              cut_contexts(self.windows, options.parent), self.columns, self.gate_weighted)
+        widths = {layer: self._width(layer, target.config.intermediate_size) for layer in target.layers}
+        stored = torch.float32 if str(target.config.dtype).removeprefix("torch.") == "float32" else torch.bfloat16
+        return ParentPrior(reader, widths, target.config.vocab_size, stored, options.scratch_dir,
+                           whole=not options.scoring_windows, progress=self.progress and not self.shard[0])
+
+    @in_fp32
+    def _shrunk(self, layer: int, means: torch.Tensor) -> torch.Tensor:
+        """[n_seen, k] the seen tokens' calibrated `means` shrunk toward their parent rows: (n mean + k prior) /
+        (n + k), n a token's calibrated positions. With several processes the first reads the parent rows and hands
+        them to the others (a sum with their zeros)."""
+        if self.prior is None:
+            return means
+        rank, world, reduce = self.shard
+        prior = self.prior.rows(layer, self.seen) if not rank else torch.zeros(means.shape)
+        if world > 1 and reduce is not None:
+            prior = reduce(prior.to(means.device))
+        n = self.counts.to(means.device)[:, None]
+        return (n * means + self.shrink * prior.to(means.device)) / (n + self.shrink)
 
     def _dense_mlp(self, layer: int, device) -> dict[str, torch.Tensor | None]:
         """The parent's MLP weights of `layer` in fp32 on `device`, in the STEM MLP's order (`stem_projections`):
@@ -258,22 +320,29 @@ class CalibratedInit(ClosedFormInit):
         return fit_projection(self.mlp_inputs(layer, self.embedding[self.seen]), self.means[layer])
 
     def table_rows(self, layer: int) -> RowsFn:
-        projection, means = self.projections[layer], self.means[layer]
+        means = self.means[layer]
 
         @in_fp32
         def fill(start: int, stop: int, out: torch.Tensor) -> None:
-            x = self.mlp_inputs(layer, self.embedding[start:stop])  # [rows, d]
-            torch.addmm(projection[-1], x, projection[:-1], out=out)  # the fit, for every row
+            if self.prior is not None:  # every token's parent row
+                out.copy_(self.prior.block(layer, start, stop))
+            else:  # the ridge map from the embedding, for every row
+                projection = self.projections[layer]
+                torch.addmm(projection[-1], self.mlp_inputs(layer, self.embedding[start:stop]), projection[:-1], out=out)
             lo, hi = torch.searchsorted(self.seen, torch.tensor([start, stop]))
-            out[self.seen[lo:hi] - start] = means[lo:hi]  # seen tokens: their calibrated mean
+            out[self.seen[lo:hi] - start] = means[lo:hi]  # seen tokens: their (shrunk or fitted) calibrated rows
 
         return fill
 
     @in_fp32
     def rows_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), k] table rows of `ids` (sorted, distinct), as `table_rows` would write them."""
-        projection, means = self.projections[layer], self.means[layer]
-        out = torch.addmm(projection[-1], self.mlp_inputs(layer, self.embedding[ids]), projection[:-1])
+        means = self.means[layer]
+        if self.prior is not None:
+            out = self.prior.rows(layer, ids)
+        else:
+            projection = self.projections[layer]
+            out = torch.addmm(projection[-1], self.mlp_inputs(layer, self.embedding[ids]), projection[:-1])
         where = torch.searchsorted(self.seen, ids).clamp_max(self.seen.numel() - 1)
         hit = self.seen[where] == ids
         out[hit] = means[where[hit]]

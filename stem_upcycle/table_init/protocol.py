@@ -13,6 +13,7 @@ import torch
 
 from ..families import Family
 from ..source import Source
+from .parent_rows import ParentRowOptions
 
 RowsFn = Callable[[int, int, torch.Tensor], None]  # (start, stop, out: fp32 [stop - start, the table's columns])
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # an all-reduce (sum) across processes
@@ -52,7 +53,7 @@ class FitOptions:
 class InitOptions:
     """What an initialiser may read besides the checkpoint. Only calibrating inits (`needs_data`) read any."""
 
-    calib_data: list[str] = field(default_factory=list)  # files of the user's text
+    calib_data: list = field(default_factory=list)  # the user's text: files, or lists of files (a genre each), each an equal share
     calib_tokens: int | None = None  # at most this many calibration tokens (generated ones included); None: all
     calib_seq_len: int = 512  # tokens per calibration window
     calib_generated: torch.Tensor | None = None  # a token stream sampled from the dense model itself (generate.py)
@@ -62,6 +63,12 @@ class InitOptions:
     calibration: Any = None  # a calibration of every layer made already (by --layers auto), reused as it is
     scoring_windows: int = 0  # windows kept out of the calibration to score layers on (--layers auto)
     fit: FitOptions = field(default_factory=FitOptions)  # stages beyond the mean per token (calibrated inits)
+    # Every token's row read from the parent after contexts of the calibration text (parent_rows.py): the prior a
+    # calibrated mean is shrunk toward, and the row of a token the text never shows; contexts 0: none (the ridge map
+    # from the embedding for unseen tokens, no shrinkage)
+    parent: ParentRowOptions = field(default_factory=ParentRowOptions)
+    shrink: float = 8.0  # k: a token's calibrated mean over n positions weighs n / (n + k), its parent row the rest
+    scratch_dir: Any = None  # a folder on the output's disk for the whole vocabulary's parent rows (None: the temp dir)
 
     @property
     def has_text(self) -> bool:

@@ -72,8 +72,7 @@ def choose_rows(source, family: Family, config, layers: str, columns: str, init:
         scoring = dataclasses.replace(options, dense_model=model, scoring_windows=COLUMN_SCORING_WINDOWS,
                                       fit=FitOptions(), calibration=None)
         calibrated = INITIALISERS[init](InitTarget(source, family, config, choice.layers), scoring, progress=progress)
-    costs = column_costs(model or calibrated_model(calibrated, source), calibrated, family, config, choice.layers,
-                         calibrated.scoring_windows)
+    costs = column_costs(calibrated.reading_model, calibrated, family, config, choice.layers, calibrated.scoring_windows)
     splits = choose_columns(spec, costs, step)
     if not splits:
         raise LayerSpecError(f"--columns {columns} leaves no neuron of layers {choice.layers} as a table column; "
@@ -95,8 +94,3 @@ def check_columns(spec, init: str, d_ff: int, layers: int, step: int, dry_run: b
     if spec.spread and round(spec.share * d_ff * layers / step) == 0:
         raise ColumnSpecError(f"--columns {spec.text} gives no layer a table column (they come in multiples of "
                               f"{step}); give a larger share")
-
-
-def calibrated_model(calibrated, source):
-    """The dense model a calibration read (`select_layers` loads it once; it is its options' `dense_model`)."""
-    return getattr(calibrated, "dense_model", None) or model_from_source(source)

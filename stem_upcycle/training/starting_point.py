@@ -18,6 +18,7 @@ from ..source import open_source
 from ..table_init import INITIALISERS, FitOptions, InitOptions
 from ..table_init.calibrated import calibrated_ids, calibration_windows
 from ..table_init.layer_choice import is_auto
+from ..table_init.parent_rows import ParentRowOptions
 from .data import eval_files, expand_files, heldout_paths
 from .recipe import RecipeError
 
@@ -69,12 +70,15 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
         return Path(start.directory or m.init_from), None
     init_dir = output / "init"
     heldout = heldout_paths(recipe)
-    files = m.calib_data or recipe.data.train
-    calib = [str(f) for f in expand_files(files, "model.calib_data") if f not in heldout] if files else []
+    patterns = m.calib_data or recipe.data.train
+    # each entry (a file, a glob, a dataset: a genre) an equal share of the calibration text; held-out files never
+    calib = [group for group in ([str(f) for f in expand_files([pattern], "model.calib_data") if f not in heldout]
+                                 for pattern in patterns) if group]
     options = InitOptions(calib_data=calib, calib_tokens=m.calib_tokens, calib_seq_len=m.calib_seq_len,
                           heldout_data={name: [str(f) for f in fs] for name, fs in eval_files(recipe).items()},
                           dense_model=teacher,  # held-out text is never calibrated on either
-                          fit=FitOptions(**dataclasses.asdict(recipe.local)))
+                          fit=FitOptions(**dataclasses.asdict(recipe.local)),
+                          parent=ParentRowOptions(contexts=m.parent_contexts), shrink=m.shrink)
     if generated is not None and recipe.generated.calib_share:
         share = recipe.generated.calib_share if calib else 1.0
         stream = as_stream(generated, tokenizer.eos_token_id)  # as training packs it
