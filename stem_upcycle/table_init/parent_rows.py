@@ -143,12 +143,16 @@ class ParentReader:
 
         def accumulate(layer):
             def hook(module, args, output):
-                gate, up = self._projections(layer, captured)
+                gate, up = self._projections(layer, captured)  # [R, B, k] each, the MLP's output computed already
                 captured.clear()
-                w = self.activation(gate).square() if self.gate_weighted else torch.ones_like(up)  # [R, B, k]
                 num, den = sums.setdefault(layer, (torch.zeros_like(up[0]), torch.zeros_like(up[0])))
-                num += (w * up).sum(0)
-                den += w.sum(0)
+                if self.gate_weighted:  # in place: a few passes over [R, B, k] fp32 cost what the forward does
+                    w = self.activation(gate).square_()
+                    den += w.sum(0)
+                    num += w.mul_(up).sum(0)
+                else:
+                    num += up.sum(0)
+                    den += len(up)
                 if layer == self.layers[-1]:
                     raise _Stop
             return hook
