@@ -52,6 +52,12 @@ class _StopForward(Exception):
     """Raised after the last STEM layer of a pass: later layers are not needed."""
 
 
+def shrink(means: torch.Tensor, prior: torch.Tensor, counts: torch.Tensor, k: float) -> torch.Tensor:
+    """(n mean + k prior) / (n + k) per row: `means` [m, c] over `counts` [m] positions each, `prior` [m, c]."""
+    n = counts.to(means.dtype)[:, None]
+    return (n * means + k * prior) / (n + k)
+
+
 def in_dtype(model, dtype: str):
     """`model` computing in `dtype` (a name, or auto: `loading.fast_dtype` of its device): itself, or a copy."""
     wanted = fast_dtype(model.device) if dtype == "auto" else getattr(torch, dtype)
@@ -156,10 +162,9 @@ class CalibratedInit(ClosedFormInit):
         shard = self.shard
         self.prior = self._parent_prior(target, options) if options.parent.contexts else None
         if self.fit.active:  # layer after layer (layer_fit.py): rows, and the gate and down projections
-            self.means = self._fit(target, shard, model)  # shrunk before they are fitted
-        else:
-            means = self._calibrate(target, shard, self.windows, self.reading_model)  # layer -> [n_seen, k]
-            self.means = {layer: self._shrunk(layer, rows).cpu() for layer, rows in means.items()}
+            self.means = self._fit(target, shard, model)  # shrunk before they are fitted: the rows as they are
+        else:  # the calibrated means, shrunk where their rows are read (`_seen_rows`), beside their parent rows
+            self.means = self._calibrate(target, shard, self.windows, self.reading_model)  # layer -> [n_seen, k]
         self.projections = {} if self.prior is not None else {layer: self._fit_projection(layer) for layer in target.layers}
         vocab = target.config.vocab_size
         rank, world, _ = shard
@@ -222,17 +227,23 @@ class CalibratedInit(ClosedFormInit):
 
     @in_fp32
     def _shrunk(self, layer: int, means: torch.Tensor) -> torch.Tensor:
-        """[n_seen, k] the seen tokens' calibrated `means` shrunk toward their parent rows: (n mean + k prior) /
-        (n + k), n a token's calibrated positions. With several processes the first reads the parent rows and hands
-        them to the others (a sum with their zeros)."""
+        """[n_seen, k] the seen tokens' calibrated `means` shrunk toward their parent rows, for a fit to start from.
+        With several processes the first reads the parent rows and hands them to the others (a sum with zeros)."""
         if self.prior is None:
             return means
         rank, world, reduce = self.shard
         prior = self.prior.rows(layer, self.seen) if not rank else torch.zeros(means.shape)
         if world > 1 and reduce is not None:
             prior = reduce(prior.to(means.device))
-        n = self.counts.to(means.device)[:, None]
-        return (n * means + self.shrink * prior.to(means.device)) / (n + self.shrink)
+        return shrink(means, prior.to(means.device), self.counts.to(means.device), self.shrink)
+
+    def _seen_rows(self, layer: int, lo: int, hi: int, prior: torch.Tensor | None) -> torch.Tensor:
+        """The rows of seen tokens [lo, hi) (indices into `seen`), given their parent rows `prior` (None: none): a
+        fit's rows as they are, else their calibrated means shrunk toward `prior`."""
+        means = self.means[layer][lo:hi]
+        if self.fit.active or prior is None:
+            return means
+        return shrink(means, prior, self.counts[lo:hi], self.shrink)
 
     def _dense_mlp(self, layer: int, device) -> dict[str, torch.Tensor | None]:
         """The parent's MLP weights of `layer` in fp32 on `device`, in the STEM MLP's order (`stem_projections`):
@@ -320,8 +331,6 @@ class CalibratedInit(ClosedFormInit):
         return fit_projection(self.mlp_inputs(layer, self.embedding[self.seen]), self.means[layer])
 
     def table_rows(self, layer: int) -> RowsFn:
-        means = self.means[layer]
-
         @in_fp32
         def fill(start: int, stop: int, out: torch.Tensor) -> None:
             if self.prior is not None:  # every token's parent row
@@ -329,15 +338,15 @@ class CalibratedInit(ClosedFormInit):
             else:  # the ridge map from the embedding, for every row
                 projection = self.projections[layer]
                 torch.addmm(projection[-1], self.mlp_inputs(layer, self.embedding[start:stop]), projection[:-1], out=out)
-            lo, hi = torch.searchsorted(self.seen, torch.tensor([start, stop]))
-            out[self.seen[lo:hi] - start] = means[lo:hi]  # seen tokens: their (shrunk or fitted) calibrated rows
+            lo, hi = torch.searchsorted(self.seen, torch.tensor([start, stop])).tolist()
+            where = self.seen[lo:hi] - start
+            out[where] = self._seen_rows(layer, lo, hi, out[where] if self.prior is not None else None)
 
         return fill
 
     @in_fp32
     def rows_for(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         """[len(ids), k] table rows of `ids` (sorted, distinct), as `table_rows` would write them."""
-        means = self.means[layer]
         if self.prior is not None:
             out = self.prior.rows(layer, ids)
         else:
@@ -345,7 +354,11 @@ class CalibratedInit(ClosedFormInit):
             out = torch.addmm(projection[-1], self.mlp_inputs(layer, self.embedding[ids]), projection[:-1])
         where = torch.searchsorted(self.seen, ids).clamp_max(self.seen.numel() - 1)
         hit = self.seen[where] == ids
-        out[hit] = means[where[hit]]
+        index = where[hit]
+        rows = self.means[layer][index]
+        if not self.fit.active and self.prior is not None:
+            rows = shrink(rows, out[hit], self.counts[index], self.shrink)
+        out[hit] = rows
         return out
 
 
