@@ -12,7 +12,11 @@ recovery) with one way of replacing SHARE of all W_up columns by table columns:
   (`model.columns=all`, 4 epochs of the layer fit: frontier.WHOLE_LAYERS);
 - neurons: SHARE of every layer's neurons, the cheapest by their error as table columns (`model.layers=all,
   model.columns=SHARE`);
-- spread: SHARE of all layers' neurons together, spread over the layers by that error (`model.columns=auto:SHARE`).
+- spread: SHARE of all layers' neurons together, spread over the layers by that error (`model.columns=auto:SHARE`);
+- unshrunk: as neurons, a calibrated mean taken as it is however few its positions (`model.shrink=0`), the parent's
+  row only for a token the calibration never shows;
+- ridge: as neurons without the parent's rows (`model.parent_contexts=0`): calibrated means as they are, a ridge map
+  from the embedding for unseen tokens (the rows before issue 53).
 
 The three replace as many W_up columns (SHARE x layers x d_ff), so their tables hold as many numbers. A token reads
 the rest: the share of the FFN's weights it reads that became rows is SHARE / 3. Equal wall time: the layer fit
@@ -40,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from frontier import ROOT, WHOLE_LAYERS, decode_speed, evaluate, file_bytes, lastword, train  # noqa: E402
 from inference import machine  # noqa: E402
 
-MODES = ("layers", "neurons", "spread")
+MODES = ("layers", "neurons", "spread", "unshrunk", "ridge")
 PARTS = ("train", "eval", "lastword", "decode")
 
 
@@ -48,7 +52,8 @@ def overrides(mode: str, share: Fraction, layers: int) -> tuple[str, list[str]]:
     """(model.layers, the other overrides) of a point."""
     if mode == "layers":
         return f"{round(share * layers)}/{layers}", list(WHOLE_LAYERS)
-    return "all", [f"model.columns={'auto:' if mode == 'spread' else ''}{share.numerator}/{share.denominator}"]
+    rows = {"unshrunk": ["model.shrink=0"], "ridge": ["model.parent_contexts=0"]}.get(mode, [])
+    return "all", [f"model.columns={'auto:' if mode == 'spread' else ''}{share.numerator}/{share.denominator}", *rows]
 
 
 def measure(name: str, folder: Path, args, sets: dict, source: str, layers: str | None, extra: list[str]) -> dict:
@@ -156,7 +161,7 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6, 3.6), dpi=110)
-    for mode, color in zip(MODES, ("tab:red", "tab:blue", "tab:green")):
+    for mode, color in zip(MODES, ("tab:red", "tab:blue", "tab:green", "tab:orange", "tab:grey")):
         points = sorted((r["up_share"], [r["eval"]["ratio"][s] for s in sets if s in r["eval"]["ratio"]])
                         for name, r in results.items() if name.startswith(mode + "-") and "eval" in r)
         if points:

@@ -24,7 +24,7 @@ from .hub import DiskNeed
 from .families import (EMBEDDING, LAYER_PREFIX, LM_HEAD, STEM_GATE, STEM_NEURON_ORDER, STEM_TABLE_PREFIX, STEM_UP,
                        STEM_UP_REST, Family, family_for, layer_name)
 from .layers import DEFAULT_LAYERS
-from .neurons import ALL as ALL_COLUMNS, NeuronSplit, column_step, describe_columns
+from .neurons import NeuronSplit, column_step, default_columns, describe_columns
 from .modeling.configuration_stem import table_columns
 from .modeling import StemConfig
 from .modeling.table_files import TABLE_GROUP_PREFIX
@@ -284,7 +284,7 @@ def plan_conversion(
     table_dtype: str | None = None,
     block_size: int | None = None,
     layer_groups: int | None = None,
-    columns: str = ALL_COLUMNS,
+    columns: str | None = None,
 ) -> ConversionPlan:
     """Decide every output tensor and shard without reading any weight (choices that measure, `--layers auto:` and
     `--columns`, read them to score layers and neurons, except in a dry run, which plans for as many without
@@ -295,16 +295,16 @@ def plan_conversion(
     rows as a float dtype or compressed (int8, float8, int4 with per-`block_size` scales); None: `dtype`.
     `layer_groups`: float tables stored in groups of that many consecutive STEM layers (`table_groups`).
     `columns`: which of each converted layer's neurons become table columns (neurons.py); the others keep a dense
-    up-projection, and the layer's neurons are ordered table columns first."""
+    up-projection, and the layer's neurons are ordered table columns first; None: `default_columns`."""
+    if init not in INITIALISERS:
+        raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
+    columns = default_columns(layers, INITIALISERS[init].needs_data) if columns is None else columns
     dense = source.config
     family = family_for(dense.model_type)
-    _refuse_quantized(source, family)
-    _check_mlp_tensors(source, family)
+    check_source(source, family)
     if first_token not in FIRST_TOKEN:
         raise ConversionError(f"--first-token {first_token!r} is unknown; choose {' or '.join(FIRST_TOKEN)}")
     dense_first = first_token == "dense"
-    if init not in INITIALISERS:
-        raise ConversionError(f"--init {init!r} is unknown; choose one of {', '.join(INITIALISERS)}")
     init_options = replace(init_options or InitOptions())  # the plan's own: --layers auto adds its calibration
     if init_options.fit.active and not INITIALISERS[init].needs_data:
         raise ConversionError(f"fitting the layers to the parent (--sequential, --refit-down, --local-epochs) starts "
@@ -477,6 +477,13 @@ def _check_mlp_tensors(source: Source, family: Family) -> None:
         if tuple(tensors.shape(name)) != shape:
             raise ConversionError(f"{source.spec}: {name} has shape {list(tensors.shape(name))}, its config says "
                                   f"{list(shape)}; the weights and config.json do not belong together")
+
+
+def check_source(source: Source, family: Family) -> None:
+    """A checkpoint that converts: unquantized, every MLP tensor there with its config's shape (dtypes and shapes
+    read alone: a hub id's before its weights download)."""
+    _refuse_quantized(source, family)
+    _check_mlp_tensors(source, family)
 
 
 def _refuse_quantized(source: Source, family: Family) -> None:

@@ -12,12 +12,11 @@ import re
 
 from .errors import UserError
 
-# One third of the layers, evenly spaced from layer 0: the paper's default share, placed where the
-# closed-form init hurts least. Measured on SmolLM2-135M (benchmarks/layer_choice.py, closed-form
-# init, held-out Hamlet + Macbeth, dense perplexity 49): every 3rd layer from 0 -> 4.4e4; from 1
-# -> 1.2e6; from 2 -> 9.4e15; every other layer from 1 (the official Llama-3.2-1B upcycling set)
-# -> 1.8e16. Layer 0's MLP input is closest to norm(E[v]), and the last layers are the most fragile.
-DEFAULT_LAYERS = "1/3"
+# Every layer, a share of each one's neurons as table columns (neurons.default_columns): at the same share of W_up,
+# better than whole layers on every held-out genre (benchmarks/README.md, share_frontier.py). The closed-form
+# init of the past placed whole layers: every third from layer 0 cost least there (SmolLM2-135M,
+# benchmarks/layer_choice.py: 4.4e4 perplexity on held-out plays, against 1.2e6 from layer 1).
+DEFAULT_LAYERS = "all"
 
 
 class LayerSpecError(UserError):

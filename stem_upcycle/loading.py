@@ -111,7 +111,8 @@ def model_from_source(source: Source, dtype: torch.dtype = torch.float32, stem_t
     return model.eval()
 
 
-def load_tokenizer(source: Source):
+def load_tokenizer(source: Source, needed_for: str = "eval needs one to read text"):
+    """`source`'s tokenizer, or a one-line error ending in `needed_for` (what needs it, and the way out)."""
     from transformers import AutoTokenizer
 
 
@@ -119,12 +120,11 @@ def load_tokenizer(source: Source):
     folder = Path(path)
     # Some Transformers versions hand back a placeholder tokenizer for a folder without one.
     if folder.is_dir() and "gguf_file" not in kwargs and not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise LoadError(f"{source.spec} has no tokenizer that loads (no tokenizer files in {folder}); eval needs one "
-                        f"to read text")
+        raise LoadError(f"{source.spec} has no tokenizer that loads (no tokenizer files in {folder}); {needed_for}")
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except Exception as err:  # any failure means the same to the user: there is no usable tokenizer
-        raise LoadError(f"{source.spec} has no tokenizer that loads; eval needs one to read text ({type(err).__name__})") from None
+        raise LoadError(f"{source.spec} has no tokenizer that loads ({type(err).__name__}); {needed_for}") from None
 
 
 def stem_layers_of(config, layers=None) -> list[int]:

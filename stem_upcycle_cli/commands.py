@@ -8,8 +8,8 @@ import sys
 
 import click
 
-from .options import (ALL_COLUMNS, DEFAULT_LAYER_GROUPS, DEFAULT_LAYERS, DTYPES, FIRST_TOKEN, FIT_DEFAULTS, INITS,
-                      MODES, PARENT_DEFAULTS, PLACEMENTS, TABLE_BLOCKS, TABLE_DTYPES)
+from .options import (ALL_COLUMNS, DEFAULT_GENERATED, DEFAULT_LAYER_GROUPS, DEFAULT_LAYERS, DEFAULT_SHARE, DTYPES,
+                      FIRST_TOKEN, FIT_DEFAULTS, INITS, MODES, PARENT_DEFAULTS, PLACEMENTS, TABLE_BLOCKS, TABLE_DTYPES)
 
 # `compress`'s default: the smallest format within its target on every held-out set (int4: perplexity within 2%
 # of bf16 tables; measured 0.9-1.9% on the recovered SmolLM2, benchmarks/README.md#table_formatspy).
@@ -127,18 +127,23 @@ def main():
 @click.option("--layers", default=DEFAULT_LAYERS, show_default=True,
               help="STEM layers: all, a fraction (1/3: evenly spaced from layer 0), a slice (1::2), a list (0,4,8-11), "
                    "or auto:1/3 (the third whose conversion alone costs least in perplexity and facts, measured with --init calib).")
-@click.option("--columns", default=ALL_COLUMNS, show_default=True,
+@click.option("--columns", default=None,
+              show_default=f"{DEFAULT_SHARE} with --layers all and a calibrating --init, else all",
               help="Which of each STEM layer's intermediate neurons become table columns (their up-projection a row), "
                    "the others keeping a dense up-projection: all (whole layers), a share of each layer's (1/3), a "
                    "count per layer (512), or auto:1/3 (a third of all STEM layers' neurons, spread over the layers). "
                    "The neurons of least error as table columns, measured with --init calib on calibration windows "
-                   "kept out of the rows.")
-@click.option("--init", "init", type=click.Choice(INITS), default="closed-form", show_default=True,
-              help="How the tables are initialised.")
+                   f"kept out of the rows. The default, {DEFAULT_SHARE} of every layer's, keeps SmolLM2-135M within "
+                   "1.4x the parent's perplexity on seven genres with no text but its own (a third: within 2x).")
+@click.option("--init", "init", type=click.Choice(INITS), default="calib", show_default=True,
+              help="How the tables are initialised: calib, each token's up-projection averaged over calibration text "
+                   "and read by SOURCE after contexts of it (--parent-contexts); calib-mean, a plain mean; "
+                   "closed-form, from the weights alone (no text; breaks a model until it is trained).")
 @click.option("--calib-data", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="Plain-text calibration file for --init calib / calib-mean; repeat for several.")
+              help="Plain-text calibration file for --init calib / calib-mean; repeat for several (each an equal share).")
 @click.option("--calib-tokens", default=131072, show_default=True, type=COUNT, help="Calibration tokens in all, at most.")
-@click.option("--calib-generate", default=0, show_default=True, type=click.IntRange(min=0), metavar="TOKENS",
+@click.option("--calib-generate", default=None, type=click.IntRange(min=0), metavar="TOKENS",
+              show_default=f"{DEFAULT_GENERATED} without --calib-data, else 0",
               help="Of the calibration tokens, this many are text sampled from SOURCE itself (generated once, cached), "
                    "so that tokens the calibration text never shows get calibrated rows; alone, a data-free init.")
 @click.option("--calib-seq-len", default=512, show_default=True, type=WINDOW, help="Tokens per calibration forward.")
@@ -191,18 +196,23 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
     import torch
 
     from stem_upcycle.card import UNTRAINED_WARNING
-    from stem_upcycle.convert import output_disk_need, plan_conversion, run_conversion
+    from stem_upcycle.convert import check_output, check_source, output_disk_need, plan_conversion, run_conversion
     from stem_upcycle.families import family_for
     from stem_upcycle.hub import check_disk, describe_download, download_need
-    from stem_upcycle.loading import model_from_source, resolve_device
+    from stem_upcycle.loading import load_tokenizer, model_from_source, resolve_device
     from stem_upcycle.source import open_source
     from stem_upcycle.table_init import INITIALISERS, FitOptions, InitOptions
+    from stem_upcycle.table_init.calibrated import CALIBRATION_NEEDS_TOKENIZER
     from stem_upcycle.table_init.parent_rows import ParentRowOptions
-    from stem_upcycle.neurons import parse_columns
+    from stem_upcycle.layers import parse_layers
+    from stem_upcycle.neurons import default_columns, parse_columns
     from stem_upcycle.table_init.layer_choice import is_auto
     from stem_upcycle.table_init.row_choice import check_columns
 
     device = resolve_device(device)
+    columns = default_columns(layers, INITIALISERS[init].needs_data) if columns is None else columns
+    if calib_generate is None:  # a calibrating init given no text samples the parent's own
+        calib_generate = DEFAULT_GENERATED if INITIALISERS[init].needs_data and not calib_data else 0
     fit = FitOptions(sequential=sequential, refit_down=refit_down, epochs=local_epochs)
     options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, fit=fit,
                           parent=ParentRowOptions(contexts=parent_contexts), shrink=shrink)
@@ -215,9 +225,16 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
                                table_dtype=table_dtype, block_size=table_block, layer_groups=layer_groups,
                                columns=columns)
 
-    def checked(src):  # the family and --columns, before weights download, the dense model loads or text is sampled
-        family_for(src.config.model_type)
+    def checked(src):  # what is refused before weights download, the model loads or text is read
+        check_source(src, family_for(src.config.model_type))
         check_columns(parse_columns(columns), init, src.config.intermediate_size, src.config.num_hidden_layers, 1)
+        if not is_auto(layers):
+            parse_layers(layers, src.config.num_hidden_layers)
+        planned(src, True)  # every option planned from the shapes: refused now, not after the text is read
+        if not dry_run:  # OUT as a run checks it, its size aside (the plan's, later)
+            check_output(Path(out), overwrite, src, 0)
+        if INITIALISERS[init].needs_data:
+            load_tokenizer(src, CALIBRATION_NEEDS_TOKENIZER)
         return src
 
     def before_weights(shapes):  # a hub id's config is here, its weights not yet: plan from their shapes
@@ -268,10 +285,11 @@ def generated_calibration(source, model, tokens: int, calib_tokens: int, progres
     from stem_upcycle.errors import UserError
     from stem_upcycle.generate import GeneratedText, Sampling, as_stream
     from stem_upcycle.loading import fast_dtype, load_tokenizer
+    from stem_upcycle.table_init.calibrated import CALIBRATION_NEEDS_TOKENIZER
 
     if tokens > calib_tokens:
         raise UserError(f"--calib-generate {tokens} is more than --calib-tokens {calib_tokens}; raise --calib-tokens")
-    tokenizer = load_tokenizer(source)
+    tokenizer = load_tokenizer(source, CALIBRATION_NEEDS_TOKENIZER)
     text = GeneratedText(source, Sampling.covering(tokens, dtype=fast_dtype(model.device)))
     ids, stats = text.ensure(model, tokenizer, progress=progress)
     if stats:

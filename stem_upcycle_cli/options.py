@@ -7,8 +7,10 @@ tests/test_cli_help.py fails when a copy and its original differ.
 
 FIRST_TOKEN = ("dense", "table")  # convert.FIRST_TOKEN
 DEFAULT_LAYER_GROUPS = 5  # convert.DEFAULT_LAYER_GROUPS
-DEFAULT_LAYERS = "1/3"  # layers.DEFAULT_LAYERS
+DEFAULT_LAYERS = "all"  # layers.DEFAULT_LAYERS
 ALL_COLUMNS = "all"  # neurons.ALL: every neuron of a converted layer is a table column
+DEFAULT_SHARE = "1/6"  # neurons.DEFAULT_SHARE: --columns not given, with --layers all
+DEFAULT_GENERATED = 65536  # table_init.calibrated.DEFAULT_GENERATED: --calib-generate not given, without --calib-data
 DTYPES = ("bfloat16", "float32", "float16")  # source.DTYPES
 INITS = ("calib", "calib-mean", "closed-form")  # table_init.INITIALISERS, sorted
 FIT_DEFAULTS = {"sequential": False, "refit_down": 0.0, "epochs": 0}  # table_init.FitOptions

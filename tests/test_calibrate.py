@@ -62,7 +62,7 @@ def mlp_inputs_at(dense, layer, ids):
 def test_where_closed_form_is_exact_calibration_reproduces_it(dense_with_tokenizer, tmp_path):
     dense, src = dense_with_tokenizer(zero_first_attention=True)
     text = calib_text(tmp_path)
-    closed = convert(src, tmp_path / "closed", "--layers", "0")
+    closed = convert(src, tmp_path / "closed", "--layers", "0", "--init", "closed-form")
     calib = convert(src, tmp_path / "calib", "--layers", "0", "--init", "calib", "--calib-data", text,
                     "--calib-seq-len", "64")
     exact = closed.model.layers[0].mlp.up_table.weight
@@ -112,7 +112,7 @@ def test_rows_are_the_gate_weighted_or_plain_mean_of_the_dense_up_projection(den
 def test_layer_groups_in_several_passes_give_the_same_tables(dense_with_tokenizer, tmp_path, monkeypatch):
     _, src = dense_with_tokenizer()
     text = calib_text(tmp_path, n=256)
-    args = ("--layers", "all", "--init", "calib", "--calib-data", text, "--calib-seq-len", "64")
+    args = ("--layers", "all", "--columns", "all", "--init", "calib", "--calib-data", text, "--calib-seq-len", "64")
     together = convert(src, tmp_path / "together", *args)
     monkeypatch.setattr(calibrate_module, "CALIB_MEMORY_BYTES", 1)  # one layer per pass
     apart = convert(src, tmp_path / "apart", *args)
@@ -123,7 +123,7 @@ def test_layer_groups_in_several_passes_give_the_same_tables(dense_with_tokenize
 def test_calibration_beats_the_closed_form_on_its_own_text(dense_with_tokenizer, tmp_path):
     dense, src = dense_with_tokenizer()
     text = calib_text(tmp_path, words=(0, 94), n=1024)
-    closed = convert(src, tmp_path / "closed", "--layers", "1,2")
+    closed = convert(src, tmp_path / "closed", "--layers", "1,2", "--init", "closed-form")
     calib = convert(src, tmp_path / "calib", "--layers", "1,2", "--init", "calib", "--calib-data", text,
                     "--calib-seq-len", "64")
     ids = torch.tensor([int(w[1:]) for w in text.read_text().split()])
@@ -134,7 +134,7 @@ def test_calibration_beats_the_closed_form_on_its_own_text(dense_with_tokenizer,
 
 def test_calibrated_init_without_data_is_a_one_line_error(dense_with_tokenizer, tmp_path):
     _, src = dense_with_tokenizer()
-    result = run_cli("convert", src, tmp_path / "out", "--init", "calib")
+    result = run_cli("convert", src, tmp_path / "out", "--init", "calib", "--calib-generate", "0")
     assert result.exit_code == 1 and "--init calib needs calibration text: pass --calib-data" in result.output
     assert not (tmp_path / "out").exists()
 
@@ -238,7 +238,8 @@ def test_a_dry_run_with_auto_layers_computes_nothing(dense_with_tokenizer, tmp_p
     assert "16 of 48 in each layer; which neurons, the real run chooses (auto:1/3" in result.output
     assert "[96, 16]" in result.output
     assert not (tmp_path / "out").exists()
-    refused = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dry-run", "--layers", "auto:1/3"])
+    refused = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dry-run", "--layers", "auto:1/3",
+                                        "--init", "closed-form"])
     assert refused.exit_code == 1 and "use --init calib" in refused.output
 
 

@@ -380,8 +380,8 @@ def test_bad_columns_are_one_line_before_anything_is_computed(calib_dense, tmp_p
     monkeypatch.setattr(stem_upcycle.loading, "model_from_source", lambda *a, **k: pytest.fail("the model loaded"))
     out = tmp_path / "out"
     cases = {("--columns", "third", "--init", "calib", "--calib-data", calib): "--columns 'third' is not understood",
-             ("--columns", "1/3"): "use --init calib (or calib-mean)",
-             ("--columns", "1/3", "--dry-run"): "use --init calib (or calib-mean)",
+             ("--columns", "1/3", "--init", "closed-form"): "use --init calib (or calib-mean)",
+             ("--columns", "1/3", "--init", "closed-form", "--dry-run"): "use --init calib (or calib-mean)",
              ("--columns", "64", "--init", "calib", "--calib-data", calib): "a layer has 48 intermediate neurons",
              ("--columns", "auto:1/1000", "--init", "calib", "--calib-data", calib): "gives no layer a table column"}
     for args, message in cases.items():

@@ -124,8 +124,9 @@ def test_two_processes_give_the_loss_curve_of_one_and_share_one_copy_of_the_tabl
 
 def test_two_processes_split_the_calibration_of_the_conversion(workspace):
     """A run that converts its starting point calibrates and fits its layers (local: sequential, refit_down) in
-    both processes (each half the windows, sums all-reduced): the converted tables and the refit down-projections
-    equal those of one process."""
+    both processes (each half the windows, sums all-reduced; the first process reads the parent rows the means are
+    shrunk toward and hands them to the other): the converted tables and the refit down-projections equal those of
+    one process."""
     common = [f"model.source={workspace / 'dense'}", "model.init_from=", "model.layers=0,2", "model.calib_tokens=1024",
               "local.sequential=true", "local.refit_down=1e-3", "model.calib_seq_len=32", "model.keep_init=true",
               "data.eval_tokens=64", "train.steps=1", "train.batch_size=4", "train.warmup_steps=1"]
@@ -137,6 +138,26 @@ def test_two_processes_split_the_calibration_of_the_conversion(workspace):
         torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
     config = json.loads((workspace / "two" / "init" / "config.json").read_text())
     assert config["stem_fit"]["refit_down"] == 1e-3
+
+
+def test_two_processes_choose_the_neurons_and_rows_of_one(workspace):
+    """A run that converts a share of every layer's neurons, with the same seed, on one process or two: the same
+    neurons as table columns, the same parent rows and shrunk means in the tables, the same fitted layers."""
+    common = [f"model.source={workspace / 'dense'}", "model.init_from=", "model.layers=all", "model.columns=1/3",
+              "model.calib_tokens=2048", "model.calib_seq_len=32", "model.parent_contexts=4", "model.keep_init=true",
+              "local.sequential=true", "local.refit_down=1e-3", "local.epochs=1",
+              "data.eval_tokens=64", "train.steps=1", "train.batch_size=4", "train.warmup_steps=1"]
+    Trainer(load_recipe(None, train_overrides(workspace, *common)), workspace / "one", progress=False).run()
+    _launch(workspace, workspace / "two", DDP, [*common, "train.micro_batch_size=2"])
+    a, b = (safe_open(str(next((workspace / r / "init").glob("*.safetensors"))), "pt") for r in ("one", "two"))
+    assert sorted(a.keys()) == sorted(b.keys())
+    for layer in range(3):
+        assert torch.equal(a.get_tensor(f"model.layers.{layer}.mlp.neuron_order"),
+                           b.get_tensor(f"model.layers.{layer}.mlp.neuron_order"))
+    for name in a.keys():
+        torch.testing.assert_close(a.get_tensor(name), b.get_tensor(name), rtol=1e-4, atol=1e-5)
+    config = json.loads((workspace / "two" / "init" / "config.json").read_text())
+    assert config["stem_table_columns"] == {"0": 16, "1": 16, "2": 16}
 
 
 def test_fsdp_shards_the_dense_weights_and_trains_as_one_process(workspace):

@@ -60,7 +60,7 @@ def test_stem_model_against_its_dense_reference(dense_dir, tmp_path):
     dense, src = dense_dir("llama")
     save_tiny_tokenizer(src)
     out = tmp_path / "stem"
-    assert run_cli("convert", src, out, "--layers", "all", "--quiet").exit_code == 0
+    assert run_cli("convert", src, out, "--layers", "all", "--init", "closed-form", "--quiet").exit_code == 0
     result = only_set(run_cli("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40,
                               "--json", "--quiet").stdout)
     model, _ = load_model(str(out))
@@ -159,7 +159,7 @@ def test_device_and_dtype_options(dense_dir, tmp_path):
     _, src = dense_dir("llama")
     save_tiny_tokenizer(src)
     out = tmp_path / "stem"
-    assert run_cli("convert", src, out, "--layers", "1", "--quiet").exit_code == 0
+    assert run_cli("convert", src, out, "--layers", "1", "--init", "closed-form", "--quiet").exit_code == 0
     args = ("eval", out, "--data", text_file(tmp_path), "--reference", src, "--window", 40, "--json", "--quiet")
     fp32 = json.loads(run_cli(*args, "--device", "cpu").stdout)
     bf16 = json.loads(run_cli(*args, "--device", "cpu", "--dtype", "bfloat16").stdout)

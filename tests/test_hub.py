@@ -53,7 +53,7 @@ def hub(tmp_path, ids):
     save_tiny_tokenizer(dense)
     folder = tmp_path / "stem"
     result = CliRunner().invoke(main, ["convert", str(dense), str(folder), "--layers", "0,2", "--layer-groups", "2",
-                                       "--max-shard-size", "20KB", "--quiet"])
+                                       "--max-shard-size", "20KB", "--init", "closed-form", "--quiet"])
     assert result.exit_code == 0, result.output
     assert len(list(folder.glob("*.safetensors"))) > 1
     model = AutoModelForCausalLM.from_pretrained(folder, stem_tables="memory").eval()

@@ -66,8 +66,8 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def convert(*args):
-    result = run("convert", *args, "--layers", "0,2", "--quiet")
+def convert(*args):  # the closed-form init: what is tested here is what is fetched, not the rows
+    result = run("convert", *args, "--layers", "0,2", "--init", "closed-form", "--quiet")
     assert result.exit_code == 0, result.output
     return result
 
@@ -184,7 +184,8 @@ def test_the_disk_check_comes_before_the_weights(hub, repo, tmp_path, monkeypatc
     output = plan_conversion(open_source(str(repo)), layers="0,2", dry_run=True).total_bytes + OUTPUT_SLACK
     real = shutil.disk_usage  # room for the output alone, not for the download too
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=output + 1000))
-    line = fails(run("convert", REPO, tmp_path / "out", "--layers", "0,2"), "not enough disk space: the download 0.00 GB")
+    line = fails(run("convert", REPO, tmp_path / "out", "--layers", "0,2", "--init", "closed-form"),
+                 "not enough disk space: the download 0.00 GB")
     assert "and the output" in line and "HF_HUB_CACHE" in line
     assert hub.fetched() <= READ and not (tmp_path / "out").exists()  # the small files only
 
@@ -350,7 +351,8 @@ def test_the_installed_command_downloads_by_environment(repo, tmp_path):
                "HF_HUB_DISABLE_XET": "1"}
         env.pop("HF_TOKEN", None)
         result = subprocess.run([sys.executable, "-m", "stem_upcycle.cli", "convert", REPO, str(tmp_path / "out"),
-                                 "--layers", "0,2"], capture_output=True, text=True, env=env, timeout=600)
+                                 "--layers", "0,2", "--init", "closed-form"], capture_output=True, text=True, env=env,
+                                timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / "home" / "hub" / "models--someorg--tiny-llama").is_dir()  # the standard cache
         assert "Fetching" in result.stderr or "Download" in result.stderr  # huggingface_hub's progress bars

@@ -204,7 +204,7 @@ def test_processes_sharing_the_windows_fit_as_one(dense_with_tokenizer, tmp_path
 
 def test_a_fit_without_calibration_is_a_one_line_error(dense_with_tokenizer, tmp_path):
     _, src = dense_with_tokenizer()
-    result = run_cli("convert", src, tmp_path / "out", "--layers", "0", "--refit-down", "1e-3")
+    result = run_cli("convert", src, tmp_path / "out", "--layers", "0", "--refit-down", "1e-3", "--init", "closed-form")
     assert result.exit_code == 1 and "use --init calib with --calib-data" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
     result = run_cli("convert", src, tmp_path / "out", "--local-epochs", "-1")

@@ -97,7 +97,8 @@ def test_bad_option_values_end_in_one_line(good, tmp_path):
 @pytest.fixture(scope="module")
 def stem(good):
     folder = good.parent / "stem"
-    result = CliRunner().invoke(main, ["convert", str(good), str(folder), "--layers", "0,2", "--quiet"])
+    result = CliRunner().invoke(main, ["convert", str(good), str(folder), "--layers", "0,2", "--init", "closed-form",
+                                       "--quiet"])
     assert result.exit_code == 0, result.output
     return folder
 
@@ -121,6 +122,12 @@ NUMERIC_OPTIONS = {
     ("convert", "--local-epochs"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--init", "calib", "--layers",
                                                         "0", "--calib-data", t, "--local-epochs", v, "--dry-run"],
                                     {-1: "x>=0", HUGE: None}),
+    ("convert", "--parent-contexts"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", "0",
+                                                           "--calib-data", t, "--parent-contexts", v, "--dry-run"],
+                                       {-1: "x>=0", HUGE: None}),
+    ("convert", "--shrink"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", "0", "--calib-data", t,
+                                                  "--calib-seq-len", 16, "--parent-contexts", 2, "--shrink", v],
+                              {-1: "x>=0", HUGE: None}),  # a huge k: the parent's rows
     ("convert", "--layers"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", v],
                               {"0/3": "a fraction must lie in (0, 1]", -1: "is not understood", HUGE: "does not exist"}),
     ("convert", "--max-shard-size"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--max-shard-size", v],
@@ -137,7 +144,8 @@ NUMERIC_OPTIONS = {
     ("compress", "--layer-groups"): (lambda d, s, t, v: ["compress", s, t.parent / "out", "--layer-groups", v,
                                                          "--table-dtype", "bfloat16"],
                                      {0: "x>=1", -1: "x>=1", HUGE: None}),
-    ("convert", "--layer-groups"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layer-groups", v],
+    ("convert", "--layer-groups"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layer-groups", v,
+                                                        "--init", "closed-form"],
                                     {0: "x>=1", -1: "x>=1", HUGE: None}),
     ("inspect", "--sample"): (lambda d, s, t, v: ["inspect", s, "--tables", "--sample", v],
                               {0: "2<=x<=4096", HUGE: "2<=x<=4096"}),

@@ -1,6 +1,8 @@
 """Parent rows: every token read by the dense model after contexts (table_init/parent_rows.py), and the one estimate
 per row that weighs a calibrated mean against it (calibrated.py, `InitOptions.shrink`)."""
 
+import json
+
 import pytest
 import torch
 from transformers.activations import ACT2FN
@@ -150,3 +152,25 @@ def test_shrinkage_weighs_each_calibrated_mean_against_the_parent_row_by_its_cou
         torch.testing.assert_close(row["k3"], expected, rtol=1e-5, atol=1e-6)
     card = (tmp_path / "k3" / "README.md").read_text()
     assert "--parent-contexts 4 --shrink 3" in card
+
+
+def test_the_default_conversion_reads_the_parents_own_text_and_converts_a_share_of_every_layer(dense_with_tokenizer,
+                                                                                             tmp_path):
+    """`convert SRC OUT` with no text: text sampled from SRC (the count given here, to be quick), a sixth of every
+    layer's neurons (a step of 16 of the tiny model's 48) chosen on it, rows from its means and the parent's rows; the
+    plan names the parent's positions; no parent rows are left beside OUT."""
+    from click.testing import CliRunner
+
+    from stem_upcycle.cli import main
+
+    _, src = dense_with_tokenizer()
+    result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--calib-generate", "8192",
+                                       "--calib-seq-len", "64"])
+    assert result.exit_code == 0, result.output
+    assert "every token read after 16 contexts of 48 tokens: 1,536 positions" in result.output
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["stem_init"] == "calib" and config["stem_layers"] == [0, 1, 2]
+    assert config["stem_table_columns"] == {"0": 16, "1": 16, "2": 16}
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "--columns 1/6 --init calib" in card and "--calib-generate 8192" in card and "--shrink 8" in card
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the parent rows' file is gone

@@ -62,9 +62,19 @@ def test_llama_32_1b_plan_has_the_expected_tables_sizes_and_index(llama_1b_sourc
     assert plan.config.stem_layers == plan.layers and plan.config.vocab_size == 128256
 
 
-def test_llama_32_1b_default_layers_are_a_third_evenly_spaced(llama_1b_source):
-    plan = plan_conversion(llama_1b_source)
-    assert plan.layers == [0, 3, 6, 9, 12]
+def test_llama_32_1b_by_default_converts_a_sixth_of_every_layers_neurons(llama_1b_source):
+    """Every layer, a sixth of each one's neurons (in multiples of 64) with a calibrating init; whole layers without
+    one, where no neuron can be scored; whole layers where --layers names some."""
+    from stem_upcycle.table_init import InitOptions
+
+    text = InitOptions(calib_generated=torch.zeros(0, dtype=torch.long))  # stands for the text a run samples
+    plan = plan_conversion(llama_1b_source, init="calib", init_options=text, dry_run=True)
+    assert plan.layers == list(range(16)) and set(plan.config.stem_table_columns.values()) == {1344}  # 8192 / 6
+    assert "every token read after 16 contexts of 48 tokens: 2,052,096 positions" in plan.describe()
+    assert plan.parent_bytes == 128256 * 16 * 1344 * 2  # bf16, beside the output while its tables are written
+    assert plan_conversion(llama_1b_source).config.stem_table_columns is None  # closed-form: whole layers
+    assert plan_conversion(llama_1b_source, layers="1/3", init="calib", init_options=text,
+                           dry_run=True).config.stem_table_columns is None
 
 
 @pytest.mark.parametrize("spec, n, expected", [

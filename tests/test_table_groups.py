@@ -109,7 +109,8 @@ def test_convert_stores_tables_in_groups_by_default_holding_the_rows_of_a_tensor
         for path in (out["default"], out["twos"]):
             torch.testing.assert_close(load(path)(ids).logits, expected, rtol=0, atol=0)
     # a group larger than a shard is not the default: a tensor per table where one table fills a shard
-    result = run("convert", dense, tmp_path / "small", "--layers", "all", "--max-shard-size", "30KB", "--dry-run")
+    result = run("convert", dense, tmp_path / "small", "--layers", "all", "--init", "closed-form", "--max-shard-size",
+                 "30KB", "--dry-run")
     assert result.exit_code == 0 and "a tensor per table" in result.output, result.output
     result = run("convert", dense, tmp_path / "bad", "--layer-groups", 2, "--table-dtype", "int8", "--table-block", 16)
     assert result.exit_code == 1 and "give a float --table-dtype" in result.output and not (tmp_path / "bad").exists()

@@ -42,7 +42,8 @@ def converted(tmp_path_factory):
     from stem_upcycle.cli import main
 
     out = tmp_path_factory.mktemp("vllm") / "stem"
-    result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(out), "--layers", "0,15,21", "--quiet"])
+    result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(out), "--layers", "0,15,21", "--init",
+                                       "closed-form", "--quiet"])
     assert result.exit_code == 0, result.output
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32,
@@ -176,7 +177,8 @@ def converted_columns(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm-columns") / "stem"
     result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(out), "--layers", "0,15,21", "--columns", "1/3",
                                        "--init", "calib", "--calib-data", str(ROOT / "README.md"), "--calib-data",
-                                       str(ROOT / "docs" / "cli.md"), "--calib-seq-len", "256", "--quiet"])
+                                       str(ROOT / "docs" / "cli.md"), "--calib-seq-len", "256", "--parent-contexts", "2",
+                                       "--quiet"])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["stem_table_columns"] == {"0": 512, "15": 512, "21": 512}
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -253,8 +255,8 @@ def test_a_sharded_model_is_served_by_hub_id(converted, tables, tmp_path):
     path, expected, _ = converted
     sharded = path.parent / "sharded"
     if not sharded.exists():
-        result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(sharded), "--layers", "0,15,21",
-                                           "--max-shard-size", "300MB", "--quiet"])  # `converted`, in shards
+        result = CliRunner().invoke(main, ["convert", "smollm2-135m", str(sharded), "--layers", "0,15,21", "--init",
+                                           "closed-form", "--max-shard-size", "300MB", "--quiet"])  # `converted`, in shards
         assert result.exit_code == 0, result.output
     assert len(list(sharded.glob("*.safetensors"))) > 1
     hub = LocalHub({"someorg/smollm2-stem": sharded})

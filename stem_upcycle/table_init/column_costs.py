@@ -53,6 +53,7 @@ def column_costs(model, calibrated, family: Family, config, layers: list[int], w
                 raise _Stop
         return hook
 
+    calibrated.read_ahead(windows[:, skip:].unique())  # rows the hooks ask for, read before the model runs them
     hooks = [model.base_model.layers[layer].mlp.register_forward_pre_hook(scorer(layer)) for layer in layers]
     try:
         for batch in windows.split(WINDOWS_PER_FORWARD):

@@ -221,6 +221,15 @@ class ParentPrior:
         lo, hi = self.offsets[layer]
         if self.read_whole:
             return self._vocabulary()[ids, lo:hi].float()
+        self.read(ids)
+        return self.known[torch.searchsorted(self.known_ids, ids), lo:hi].float()
+
+    def read(self, ids: torch.Tensor) -> None:
+        """Read the rows of `ids` not read yet (every layer's). The reader runs the model: a caller that needs rows
+        inside a forward of the same model (a hook) reads them before it."""
+        if self.read_whole:
+            self._vocabulary()
+            return
         missing = ids[~torch.isin(ids, self.known_ids)].unique()
         if missing.numel():
             read = self.reader.rows(missing)
@@ -228,7 +237,6 @@ class ParentPrior:
             every = torch.cat([self.known_ids, missing])
             order = every.argsort()
             self.known_ids, self.known = every[order], torch.cat([self.known, new])[order]
-        return self.known[torch.searchsorted(self.known_ids, ids), lo:hi].float()
 
     def block(self, layer: int, start: int, stop: int) -> torch.Tensor:
         """[stop - start, k] fp32: the parent rows of tokens [start, stop) in `layer`."""

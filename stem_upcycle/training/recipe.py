@@ -15,7 +15,8 @@ from ..source import DTYPES
 from ..errors import UserError
 from ..generate import Sampling
 from ..hub import HubOptions
-from ..neurons import parse_columns
+from ..layers import DEFAULT_LAYERS
+from ..neurons import ALL as ALL_COLUMNS, default_columns, parse_columns
 
 
 class RecipeError(UserError):
@@ -28,8 +29,10 @@ class ModelSection:
     revision: str = ""  # a branch, tag or commit of `source` when it is a hub id; empty: main
     trust_remote_code: bool = False  # allow a `source` whose config needs its own code (as convert --trust-remote-code)
     init_from: str = ""  # an existing STEM checkpoint to start from; empty: convert `source` first
-    layers: str = "1/3"  # STEM layers when converting (as `convert --layers`)
-    columns: str = "all"  # which neurons of each STEM layer become table columns (as `convert --columns`)
+    layers: str = DEFAULT_LAYERS  # STEM layers when converting (as `convert --layers`)
+    # which neurons of each STEM layer become table columns (as `convert --columns`); empty: convert's default
+    # (neurons.default_columns: a share of every layer's with layers all, else whole layers)
+    columns: str = ""
     init: str = "calib"  # table init when converting (as `convert --init`)
     first_token: str = "dense"  # what a sequence's first token reads in a STEM layer (as `convert --first-token`)
     calib_data: list = field(default_factory=list)  # calibration text files (globs); default: the training files
@@ -203,6 +206,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
             raise RecipeError(f"recipe section {section!r} must be a mapping")
         raw[section][name] = yaml.safe_load(value)
     recipe = _build(Recipe, raw, "")
+    if not recipe.model.columns:  # a conversion's default; a model given as init_from has its own
+        recipe.model.columns = (ALL_COLUMNS if recipe.model.init_from else
+                                default_columns(recipe.model.layers, recipe.model.init in ("calib", "calib-mean")))
     _validate(recipe)
     return recipe
 
