@@ -9,7 +9,8 @@ import sys
 import click
 
 from .options import (ALL_COLUMNS, DEFAULT_GENERATED, DEFAULT_LAYER_GROUPS, DEFAULT_LAYERS, DEFAULT_SHARE, DTYPES,
-                      FIRST_TOKEN, FIT_DEFAULTS, INITS, MODES, PARENT_DEFAULTS, PLACEMENTS, TABLE_BLOCKS, TABLE_DTYPES)
+                      FACT_WEIGHT, FIRST_TOKEN, FIT_DEFAULTS, INITS, MODES, PARENT_DEFAULTS, PLACEMENTS, TABLE_BLOCKS,
+                      TABLE_DTYPES)
 
 # `compress`'s default: the smallest format within its target on every held-out set (int4: perplexity within 2%
 # of bf16 tables; measured 0.9-1.9% on the recovered SmolLM2, benchmarks/README.md#table_formatspy).
@@ -135,6 +136,11 @@ def main():
                    "The neurons of least error as table columns, measured with --init calib on calibration windows "
                    f"kept out of the rows. The default, {DEFAULT_SHARE} of every layer's, keeps SmolLM2-135M within "
                    "1.4x the parent's perplexity on seven genres with no text but its own (a third: within 2x).")
+@click.option("--fact-weight", type=click.FloatRange(min=0), default=FACT_WEIGHT, show_default=True, metavar="W",
+              help="With --columns: the neurons are also scored on SOURCE's completions of 45 packaged factual prompts "
+                   "(facts_layer_choice.jsonl), weighing W times the text: more of what the model knows kept, at a "
+                   "little perplexity (SmolLM2-135M, a third of every layer: 33 facts of 52 kept instead of 19). 0: text "
+                   "alone.")
 @click.option("--init", "init", type=click.Choice(INITS), default="calib", show_default=True,
               help="How the tables are initialised: calib, each token's up-projection averaged over calibration text "
                    "and read by SOURCE after contexts of it (--parent-contexts); calib-mean, a plain mean; "
@@ -183,9 +189,9 @@ def main():
 @hub_options("SOURCE", recorded=True)
 @QUIET
 @_fail_cleanly
-def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_generate, calib_seq_len, parent_contexts,
-            shrink, first_token, sequential, refit_down, local_epochs, device, dtype, table_dtype, table_block,
-            layer_groups, max_shard_size, overwrite, dry_run, revision, token, trust_remote_code, quiet):
+def convert(source, out, layers, columns, fact_weight, init, calib_data, calib_tokens, calib_generate, calib_seq_len,
+            parent_contexts, shrink, first_token, sequential, refit_down, local_epochs, device, dtype, table_dtype,
+            table_block, layer_groups, max_shard_size, overwrite, dry_run, revision, token, trust_remote_code, quiet):
     """Convert the dense checkpoint SOURCE into a STEM model in OUT.
 
     SOURCE is a local Hugging Face directory, a hub id (org/name: downloaded into the Hugging Face
@@ -215,7 +221,7 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
         calib_generate = DEFAULT_GENERATED if INITIALISERS[init].needs_data and not calib_data else 0
     fit = FitOptions(sequential=sequential, refit_down=refit_down, epochs=local_epochs)
     options = InitOptions(calib_data=list(calib_data), calib_tokens=calib_tokens, calib_seq_len=calib_seq_len, fit=fit,
-                          parent=ParentRowOptions(contexts=parent_contexts), shrink=shrink)
+                          parent=ParentRowOptions(contexts=parent_contexts), shrink=shrink, fact_weight=fact_weight)
     if calib_generate:  # stands for the text a run samples, in a plan made before it (a dry run generates nothing)
         options.calib_generated = torch.zeros(0, dtype=torch.long)
 
@@ -260,7 +266,8 @@ def convert(source, out, layers, columns, init, calib_data, calib_tokens, calib_
     # The command as run, with every default spelled out, for the model card.
     words = ["stem-upcycle", "convert", source, out, *(["--revision", revision] if revision else []),
              *(["--trust-remote-code"] if trust_remote_code else []),
-             "--layers", layers, "--columns", columns, "--init", init,
+             "--layers", layers, "--columns", columns, *(["--fact-weight", str(fact_weight)] if columns != ALL_COLUMNS else []),
+             "--init", init,
              "--first-token", first_token,
              "--dtype", dtype, "--table-dtype", plan.table_format.dtype, "--max-shard-size", str(max_shard_size)]
     if plan.table_format.compressed:

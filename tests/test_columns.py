@@ -211,6 +211,7 @@ def test_each_neurons_cost_is_its_output_error_on_windows_the_rows_never_saw(cal
     from stem_upcycle.families import family_for
     from stem_upcycle.table_init import INITIALISERS, InitOptions, InitTarget
     from stem_upcycle.table_init.column_costs import column_costs
+    from stem_upcycle.table_init.layer_choice import ScoredTokens
     from stem_upcycle.table_init.row_choice import COLUMN_SCORING_WINDOWS, choose_rows
 
     dense, src, calib = calib_dense
@@ -237,9 +238,27 @@ def test_each_neurons_cost_is_its_output_error_on_windows_the_rows_never_saw(cal
         expected = mlp.down_proj.weight.square().sum(0) * error.square().mean(0)
     torch.testing.assert_close(costs[1], expected, rtol=1e-4, atol=1e-9)
     choice = choose_rows(source, family, config, "all", "1/3", "calib", InitOptions(
-        calib_data=[str(calib)], calib_seq_len=32, dense_model=dense), step=8)
+        calib_data=[str(calib)], calib_seq_len=32, dense_model=dense, fact_weight=0), step=8)
     for layer, split in choice.columns.items():  # the same windows kept out: the same costs, the cheapest chosen
         assert set(split.table.tolist()) == set(costs[layer].topk(16, largest=False).indices.tolist())
+    # factual prompts and their completions, padded as fact_completions pads them: their tokens' mean cost, by hand,
+    # weighs `fact_weight` beside the text's
+    facts = ScoredTokens(torch.tensor([[5, 9, 17, 30, 30], [8, 2, 44, 61, 70]]),
+                         torch.tensor([[False, True, True, False], [False, False, True, True]]))
+    with_facts = column_costs(dense, calibrated, family, config, [0, 1, 2], scoring, facts, 0.5)
+    inputs = []
+    hook = dense.model.layers[1].mlp.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    with torch.no_grad():
+        dense(facts.ids)
+    hook.remove()
+    real = [(0, p) for p in range(1, 4)] + [(1, p) for p in range(1, 5)]  # the first sequence's last token is padding
+    x = torch.stack([inputs[0][i, p] for i, p in real])
+    ids = torch.tensor([int(facts.ids[i, p]) for i, p in real])
+    unique, inverse = ids.unique(return_inverse=True)
+    with torch.no_grad():
+        error = torch.nn.functional.silu(mlp.gate_proj(x)) * (mlp.up_proj(x) - calibrated.rows_for(1, unique)[inverse])
+        fact_cost = mlp.down_proj.weight.square().sum(0) * error.square().mean(0)
+    torch.testing.assert_close(with_facts[1], costs[1] + 0.5 * fact_cost, rtol=1e-4, atol=1e-9)
 
 
 # --- every path serves a share of the neurons -----------------------------------------------------------------

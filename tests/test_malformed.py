@@ -125,6 +125,9 @@ NUMERIC_OPTIONS = {
     ("convert", "--parent-contexts"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", "0",
                                                            "--calib-data", t, "--parent-contexts", v, "--dry-run"],
                                        {-1: "x>=0", HUGE: None}),
+    ("convert", "--fact-weight"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", "0", "--columns", 32,
+                                                       "--calib-data", t, "--fact-weight", v, "--dry-run"],
+                                   {-1: "x>=0", HUGE: None}),
     ("convert", "--shrink"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", "0", "--calib-data", t,
                                                   "--calib-seq-len", 16, "--parent-contexts", 2, "--shrink", v],
                               {-1: "x>=0", HUGE: None}),  # a huge k: the parent's rows

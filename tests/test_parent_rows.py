@@ -172,5 +172,5 @@ def test_the_default_conversion_reads_the_parents_own_text_and_converts_a_share_
     assert config["stem_init"] == "calib" and config["stem_layers"] == [0, 1, 2]
     assert config["stem_table_columns"] == {"0": 16, "1": 16, "2": 16}
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "--columns 1/6 --init calib" in card and "--calib-generate 8192" in card and "--shrink 8" in card
+    assert "--columns 1/6 --fact-weight 0.25 --init calib" in card and "--calib-generate 8192" in card and "--shrink 8" in card
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the parent rows' file is gone

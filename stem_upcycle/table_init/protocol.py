@@ -68,6 +68,9 @@ class InitOptions:
     # from the embedding for unseen tokens, no shrinkage)
     parent: ParentRowOptions = field(default_factory=ParentRowOptions)
     shrink: float = 8.0  # k: a token's calibrated mean over n positions weighs n / (n + k), its parent row the rest
+    # A choice of neurons (--columns) also scores the parent's completions of factual prompts (facts_layer_choice.jsonl),
+    # weighing this many times the text windows: what the model knows weighs beside its perplexity
+    fact_weight: float = 0.25
     scratch_dir: Any = None  # a folder on the output's disk for the whole vocabulary's parent rows (None: the temp dir)
 
     @property

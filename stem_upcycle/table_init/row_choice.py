@@ -15,11 +15,11 @@ import torch
 
 from ..families import Family
 from ..layers import LayerSpecError, parse_layers
-from ..loading import model_from_source
+from ..loading import load_tokenizer, model_from_source
 from ..neurons import ColumnSpecError, NeuronSplit, choose_columns, parse_columns
 from . import INITIALISERS
 from .column_costs import column_costs
-from .layer_choice import auto_fraction, check_auto, is_auto, select_layers
+from .layer_choice import RANKING_FACTS, auto_fraction, check_auto, fact_completions, is_auto, select_layers
 from .protocol import FitOptions, InitOptions, InitTarget
 
 COLUMN_SCORING_WINDOWS = 16  # calibration windows kept out of the rows that neurons are scored on
@@ -72,7 +72,9 @@ def choose_rows(source, family: Family, config, layers: str, columns: str, init:
         scoring = dataclasses.replace(options, dense_model=model, scoring_windows=COLUMN_SCORING_WINDOWS,
                                       fit=FitOptions(), calibration=None)
         calibrated = INITIALISERS[init](InitTarget(source, family, config, choice.layers), scoring, progress=progress)
-    costs = column_costs(calibrated.reading_model, calibrated, family, config, choice.layers, calibrated.scoring_windows)
+    facts = fact_completions(load_tokenizer(source), RANKING_FACTS) if options.fact_weight else None
+    costs = column_costs(calibrated.reading_model, calibrated, family, config, choice.layers, calibrated.scoring_windows,
+                         facts, options.fact_weight)
     splits = choose_columns(spec, costs, step)
     if not splits:
         raise LayerSpecError(f"--columns {columns} leaves no neuron of layers {choice.layers} as a table column; "

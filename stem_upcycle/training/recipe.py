@@ -40,6 +40,7 @@ class ModelSection:
     calib_seq_len: int = 512
     parent_contexts: int = 16  # every token's row read from the source after this many contexts (as convert --parent-contexts)
     shrink: float = 8.0  # a calibrated mean over n positions weighs n / (n + shrink) against the parent row (convert --shrink)
+    fact_weight: float = 0.25  # the neurons also scored on completions of factual prompts (as convert --fact-weight)
     keep_init: bool = False  # keep the converted starting point in OUTPUT/init after export (to compare with it)
     export_dtype: str = "auto"  # dtype of the exported model: auto (the source's, as `convert --dtype auto`),
     # bfloat16, float32 or float16; training itself runs on an fp32 copy
@@ -255,6 +256,7 @@ def _coerce(value, default, key: str):
 # one-line error. Every numeric field of Recipe is listed (a test checks it).
 RANGES = {
     "model.calib_tokens": "> 0", "model.calib_seq_len": ">= 2", "model.parent_contexts": ">= 0", "model.shrink": ">= 0",
+    "model.fact_weight": ">= 0",
     "local.refit_down": ">= 0", "local.epochs": ">= 0", "local.lr": "> 0", "local.row_lr": "> 0",
     "local.batch_tokens": "> 0",
     "data.heldout_fraction": "[0, 1)", "data.seq_len": "> 0", "data.max_train_tokens": ">= 0", "data.eval_tokens": "> 0",

@@ -78,7 +78,7 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
                           heldout_data={name: [str(f) for f in fs] for name, fs in eval_files(recipe).items()},
                           dense_model=teacher,  # held-out text is never calibrated on either
                           fit=FitOptions(**dataclasses.asdict(recipe.local)),
-                          parent=ParentRowOptions(contexts=m.parent_contexts), shrink=m.shrink)
+                          parent=ParentRowOptions(contexts=m.parent_contexts), shrink=m.shrink, fact_weight=m.fact_weight)
     if generated is not None and recipe.generated.calib_share:
         share = recipe.generated.calib_share if calib else 1.0
         stream = as_stream(generated, tokenizer.eos_token_id)  # as training packs it
