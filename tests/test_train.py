@@ -67,6 +67,12 @@ def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace)
     card = (out / "README.md").read_text()
     assert "Recovery training" in card and "> At conversion, before training: A converted" in card  # not "not trained"
     assert (workspace / "stem" / "config.json").exists()  # a given init_from is never removed
+    # a run from a trained model keeps its own log and recipe, not those of the run that made its starting point
+    again = workspace / "again"
+    Trainer(load_recipe(None, [*train_overrides(workspace, "train.steps=2"), f"model.init_from={out}"]), again,
+            progress=False).run()
+    assert [r["step"] for r in train_log(again)] == [0, 1, 2]
+    assert "steps: 2" in (again / "recipe.yaml").read_text()
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -133,7 +133,9 @@ def fit_projection(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 class CalibratedInit(ClosedFormInit):
     name = "calib"
-    description = "gate-weighted mean of W_up x per token over calibration text; unseen tokens from a ridge fit"
+    description = ("gate-weighted mean of W_up x per token over calibration text, shrunk toward the token's row read "
+                   "from the parent after contexts of that text (the row of an unseen token; with no parent rows, a "
+                   "ridge fit)")
     gate_weighted = True
     needs_data = True
 
@@ -377,5 +379,6 @@ class CalibratedInit(ClosedFormInit):
 
 class CalibratedMeanInit(CalibratedInit):
     name = "calib-mean"
-    description = "plain mean of W_up x per token over calibration text; unseen tokens from a ridge fit"
+    description = ("plain mean of W_up x per token over calibration text, shrunk toward the token's row read from the "
+                   "parent after contexts of that text (the row of an unseen token; with no parent rows, a ridge fit)")
     gate_weighted = False

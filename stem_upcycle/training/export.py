@@ -62,8 +62,8 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
             else:
                 writer.write(spec.name, tables.get(spec.name, state.get(spec.name)).detach().to("cpu", spec.dtype))
         writer.close()
-        for path in init.directory.iterdir():
-            if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_NAME:
+        for path in init.directory.iterdir():  # the model's other files; a trained init_from's run files are its own
+            if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (INDEX_NAME, *RUN_FILES):
                 shutil.copyfile(path, staging / path.name)
         _set_config_dtype(staging / "config.json", dtype)
         _add_training_card(staging / "README.md", out / "train_log.jsonl", recipe, tokens_seen)
@@ -73,6 +73,10 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+# What a training run writes into its output beside the model: never copied from the model it started from
+RUN_FILES = ("recipe.yaml", "train_log.jsonl")
 
 
 def stored_order(init) -> list[str]:
