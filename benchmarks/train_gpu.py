@@ -103,7 +103,8 @@ def overrides(args, data: Path, dense: Path) -> list[str]:
     if args.smoke:
         return common + ["train.steps=2", "train.batch_size=4", "train.micro_batch_size=2", "train.eval_every=1",
                          "data.seq_len=64", "data.eval_tokens=128", "generated.tokens=512", "generated.length=64",
-                         "generated.batch_size=8", "model.calib_tokens=1024", "model.calib_seq_len=64"]
+                         "generated.batch_size=8", "model.calib_tokens=1024", "model.calib_seq_len=64",
+                         "model.parent_contexts=1"]  # the whole vocabulary read once (16 times: ~15 min on 2 cores)
     return common + [f"train.steps={args.steps}", "train.batch_size=64", "train.micro_batch_size=32",
                      f"train.eval_every={max(1, args.steps // 4)}", "train.precision=bf16", "data.eval_tokens=4096",
                      "generated.tokens=262144", "generated.batch_size=256", "model.calib_tokens=262144",

@@ -89,6 +89,9 @@ def test_bad_option_values_end_in_one_line(good, tmp_path):
     assert "--device 'warp9' is not a device" in one_line_error(
         ["convert", good, tmp_path / "out", "--device", "warp9"])
     assert "--device 'warp9' is not a device" in one_line_error(["eval", good, "--facts", "--device", "warp9"])
+    # the default --columns (a sixth of every layer) scores neurons on 16 windows kept out of the calibration
+    assert "give --calib-tokens more than 16384 (or --columns all)" in one_line_error(
+        ["convert", good, tmp_path / "out", "--calib-data", good.parent / "text.txt", "--calib-tokens", 8192])
     if not torch.cuda.is_available():
         assert "no CUDA GPU" in one_line_error(["convert", good, tmp_path / "out", "--device", "cuda"])
     assert not (tmp_path / "out").exists()

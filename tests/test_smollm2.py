@@ -76,8 +76,9 @@ def english(tmp_path_factory):
 
 def test_calibrated_init_is_far_closer_to_dense_than_the_closed_form(converted, english, tmp_path):
     calib = tmp_path / "calib"
-    args = ["convert", "smollm2-135m", str(calib), "--init", "calib", "--calib-data", str(english / "calib.txt"),
-            "--calib-tokens", "8192", "--quiet"]
+    # the fixture's layers, whole; the parent rows read after one context (16, the default: ~15 min here in fp32)
+    args = ["convert", "smollm2-135m", str(calib), "--layers", "1/3", "--columns", "all", "--init", "calib",
+            "--calib-data", str(english / "calib.txt"), "--calib-tokens", "8192", "--parent-contexts", "1", "--quiet"]
     assert CliRunner().invoke(main, args, catch_exceptions=False).exit_code == 0
     figures = {}
     for name, path in (("closed-form", converted), ("calib", calib)):
@@ -93,7 +94,7 @@ def test_short_recovery_run_on_smollm2_lowers_held_out_perplexity(english, tmp_p
     """convert (2 layers, calibrated) + `stem-upcycle train` + export, on the real model, in miniature."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(textwrap.dedent(f"""
-        model: {{source: smollm2-135m, layers: "14,15", init: calib, calib_tokens: 4096}}
+        model: {{source: smollm2-135m, layers: "14,15", init: calib, calib_tokens: 4096, parent_contexts: 1}}
         data: {{train: [{english / 'calib.txt'}], eval: [{english / 'heldout.txt'}], seq_len: 256, eval_tokens: 1024,
                max_train_tokens: 8192}}
         train: {{steps: 3, batch_size: 2, micro_batch_size: 2, trainable: [tables, gate_down], lr: 1.0e-4,

@@ -48,6 +48,7 @@ def choose_rows(source, family: Family, config, layers: str, columns: str, init:
     source (the activation, the first-token rule), `step`: the multiple table columns come in (`column_step`)."""
     dense, spec = source.config, parse_columns(columns)
     check_columns(spec, init, dense.intermediate_size, dense.num_hidden_layers, step, dry_run)
+    check_calibration_budget(spec, options)
     choice = RowChoice([])
     if is_auto(layers) and dry_run:  # sizes depend on the count alone: no calibration, no measurement
         check_auto(layers, init)
@@ -82,6 +83,15 @@ def choose_rows(source, family: Family, config, layers: str, columns: str, init:
     # layers given no column stay dense; the rows are calibrated again, on every window, for the chosen columns
     return RowChoice(sorted(splits), {layer: s for layer, s in splits.items() if s.columns < d_ff},
                      layer_costs=choice.layer_costs, fact_costs=choice.fact_costs)
+
+
+def check_calibration_budget(spec, options: InitOptions) -> None:
+    """A choice of neurons whose --calib-tokens cannot hold its scoring windows twice over, refused before any text
+    is read (a shorter text than --calib-tokens is refused later, when it is read: CalibratedInit)."""
+    needed = 2 * COLUMN_SCORING_WINDOWS * options.calib_seq_len
+    if spec.measured and options.calib_tokens is not None and options.calib_tokens <= needed:
+        raise ColumnSpecError(f"--columns {spec.text} scores neurons on {COLUMN_SCORING_WINDOWS} calibration windows "
+                              f"kept out of the rows: give --calib-tokens more than {needed} (or --columns all)")
 
 
 def check_columns(spec, init: str, d_ff: int, layers: int, step: int, dry_run: bool = False) -> None:
