@@ -33,4 +33,5 @@ def test_a_train_log_gives_its_evaluations_after_step_0(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert "reached" in out.splitlines()[2] and "plays" in out.splitlines()[2]
     news = out.splitlines()[1].split()
-    assert news[0] == "news" and float(news[-1]) == pytest.approx(16384 * (0.4 / 0.1) ** (1 / 0.321928), rel=1e-2)  # printed to 3 figures
+    expected = 16384 * (0.4 / 0.1) ** (1 / 0.321928)  # b = log2(0.5 / 0.4)
+    assert news[0] == "news" and float(news[-1]) == pytest.approx(expected, rel=1e-2)  # printed to 3 figures
