@@ -16,6 +16,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy
+
 
 def curves_from_log(path: Path) -> dict[str, list[tuple[float, float]]]:
     """{genre: [(tokens, ratio)]} of a train_log.jsonl's evaluations after step 0."""
@@ -45,12 +47,9 @@ def tokens_to(curve: list[tuple[float, float]], target: float) -> tuple[float, f
     points = [(math.log(t), math.log(r - 1)) for t, r in curve if r > 1]
     if len(points) < 2:
         raise SystemExit("a power law needs two evaluations after training began with a ratio above 1")
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    slope, intercept = numpy.polyfit(*zip(*points), 1)  # least squares on the logs
     if slope >= 0:
         return -slope, math.inf
-    intercept = mean_y - slope * mean_x
     return -slope, math.exp((math.log(target - 1) - intercept) / slope)
 
 
