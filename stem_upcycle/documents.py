@@ -1,12 +1,15 @@
 """Documents of the text files training and evaluation read: .txt (the file is one document),
 .jsonl (one document per record, in `text_field`) and .parquet (one per row, in the column
 `text_field`; read with pyarrow, which `datasets` brings, as a Hugging Face dataset's files are).
+A .gz file (.jsonl.gz, .json.gz: JSON lines, as FineWeb and Dolma ship them; .txt.gz) is read as
+its decompressed bytes.
 
 Files are cut into pieces that can be read (and tokenised) apart: byte ranges of about
 `PIECE_BYTES` cut after a line break (before a non-space character in a .txt file, where
 byte-level BPE pre-tokenisers split anyway), or a parquet file's row groups.
 """
 
+import gzip
 import json
 import re
 from dataclasses import dataclass
@@ -20,8 +23,68 @@ TXT_CUT = re.compile(rb"\n(?=[^\s])")  # a cut point: after a newline, before a 
 JSONL_CUT = re.compile(rb"\n")
 
 
+# Names of the files a dataset's folder offers as text: .json.gz is JSON lines, as the Hub's datasets name it
+DATA_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
+
+
 class DataError(UserError):
     pass
+
+
+def is_data_file(name: str) -> bool:
+    return name.lower().endswith(DATA_SUFFIXES)
+
+
+def _kind(path: Path) -> str:
+    """parquet, jsonl or txt (any other name is read as text)."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "jsonl" if name.endswith((".jsonl", ".jsonl.gz", ".json.gz")) else "txt"
+
+
+_open_gzip: dict[Path, gzip.GzipFile] = {}  # the one .gz file read now: pieces are read in order, so a seek goes on
+
+
+def _open(path: Path):
+    """`path`'s (decompressed) bytes, seekable. A .gz file's handle stays open for the next piece: GzipFile seeks
+    forward by decompressing, so reading its pieces in order decompresses it once."""
+    if not path.name.endswith(".gz"):
+        return path.open("rb")
+    if path not in _open_gzip:
+        for old in _open_gzip.values():
+            old.close()
+        _open_gzip.clear()
+        _open_gzip[path] = gzip.open(path, "rb")
+    return _Kept(_open_gzip[path])
+
+
+class _Kept:
+    """A file kept open across `with` blocks."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _size(path: Path) -> int:
+    """Bytes of `path` as read (a .gz file: decompressed, counted by reading it once)."""
+    if not path.name.endswith(".gz"):
+        return path.stat().st_size
+    with _open(path) as f:
+        f.seek(0)
+        size = 0
+        try:
+            while chunk := f.read(1 << 24):
+                size += len(chunk)
+        except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+            raise DataError(f"{path} is not a readable gzip file ({err}); check the file") from None
+        return size
 
 
 @dataclass(frozen=True)
@@ -36,16 +99,17 @@ def plan_pieces(files: list[Path], piece_bytes: int = PIECE_BYTES) -> list[Piece
     """The files' byte ranges of about `piece_bytes`, cut where tokenising the parts apart changes nothing."""
     pieces = []
     for path in files:
-        if path.suffix == ".parquet":
+        kind = _kind(path)
+        if kind == "parquet":
             pieces += [Piece(path, g, g + 1, True) for g in range(_parquet(path).num_row_groups)]
             continue
-        size = path.stat().st_size
-        cut = JSONL_CUT if path.suffix == ".jsonl" else TXT_CUT
+        size = _size(path)
+        cut = JSONL_CUT if kind == "jsonl" else TXT_CUT
         start = 0
-        with path.open("rb") as f:
+        with _open(path) as f:
             while start < size:
                 stop = _next_cut(f, cut, start + piece_bytes, size)
-                pieces.append(Piece(path, start, stop, path.suffix == ".jsonl" or stop == size))
+                pieces.append(Piece(path, start, stop, kind == "jsonl" or stop == size))
                 start = stop
     return pieces
 
@@ -63,15 +127,22 @@ def _next_cut(f, cut: re.Pattern, at: int, size: int) -> int:
 
 def documents_of(piece: Piece, text_field: str) -> list[str]:
     """The documents in `piece`, in order."""
-    if piece.path.suffix == ".parquet":
+    kind = _kind(piece.path)
+    if kind == "parquet":
         return _parquet_documents(piece, text_field)
-    with piece.path.open("rb") as f:
+    with _open(piece.path) as f:
         f.seek(piece.start)
         data = f.read(piece.stop - piece.start)
-    if piece.path.suffix != ".jsonl":
+    if kind != "jsonl":
         return [data.decode("utf-8", errors="replace")]
+    return jsonl_documents(data.decode("utf-8", errors="replace"), text_field,
+                           lambda number: f"{piece.path}:{_line_number(piece, number)}")
+
+
+def jsonl_documents(text: str, text_field: str, where) -> list[str]:
+    """The `text_field` of each JSON line of `text`; `where(i)` names line i in an error."""
     documents = []
-    for number, line in enumerate(data.decode("utf-8", errors="replace").split("\n")):
+    for number, line in enumerate(text.split("\n")):
         if not line.strip():
             continue
         try:
@@ -79,16 +150,17 @@ def documents_of(piece: Piece, text_field: str) -> list[str]:
         except json.JSONDecodeError:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            where = f"{piece.path}:{_line_number(piece, number)}"
             if record is None:
-                raise DataError(f"{where} is not valid JSON; a .jsonl file has one object per line")
-            raise DataError(f"{where} has no string field {text_field!r}; set data.text_field")
+                raise DataError(f"{where(number)} is not valid JSON; a .jsonl file has one object per line")
+            fields = f" (its fields: {', '.join(map(str, record))})" if isinstance(record, dict) and record else ""
+            raise DataError(f"{where(number)} has no string field {text_field!r}{fields}; set data.text_field")
         documents.append(record[text_field])
     return documents
 
 
 def _line_number(piece: Piece, line_in_piece: int) -> int:
-    with piece.path.open("rb") as f:
+    with _open(piece.path) as f:
+        f.seek(0)
         return f.read(piece.start).count(b"\n") + line_in_piece + 1
 
 
@@ -104,25 +176,30 @@ def _parquet(path: Path):
 
 
 def _parquet_documents(piece: Piece, text_field: str) -> list[str]:
-    table = _parquet(piece.path)
+    return parquet_texts(_parquet(piece.path), piece.start, text_field, str(piece.path))
+
+
+def parquet_texts(table, group: int, text_field: str, where: str) -> list[str]:
+    """The column `text_field` of row group `group` of the open ParquetFile `table`."""
     if text_field not in table.schema_arrow.names:
-        raise DataError(f"{piece.path} has no column {text_field!r} (columns: {', '.join(table.schema_arrow.names)}); "
+        raise DataError(f"{where} has no column {text_field!r} (columns: {', '.join(table.schema_arrow.names)}); "
                         f"set data.text_field")
-    column = table.read_row_group(piece.start, columns=[text_field]).column(text_field).to_pylist()
+    column = table.read_row_group(group, columns=[text_field]).column(text_field).to_pylist()
     bad = next((i for i, v in enumerate(column) if not isinstance(v, str)), None)
     if bad is not None:
-        raise DataError(f"{piece.path}: column {text_field!r} holds a {type(column[bad]).__name__}, not text, "
-                        f"in row group {piece.start}")
+        raise DataError(f"{where}: column {text_field!r} holds a {type(column[bad]).__name__}, not text, "
+                        f"in row group {group}")
     return column
 
 
 def read_documents(files: list[Path], text_field: str = "text", max_chars: int | None = None) -> Iterator[str]:
     """Every document of `files` in order, whole (a .txt file read to at most `max_chars` characters)."""
     for path in files:
-        if path.suffix in (".jsonl", ".parquet"):
+        if _kind(path) != "txt":
             for piece in plan_pieces([path]):
                 yield from documents_of(piece, text_field)
         else:
-            with path.open(encoding="utf-8", errors="replace") as f:
+            gz = path.name.endswith(".gz")
+            with (gzip.open if gz else open)(path, "rt", encoding="utf-8", errors="replace") as f:
                 # at most the file's size (characters <= bytes): read(n) reserves n characters up front
-                yield f.read(min(max_chars, path.stat().st_size)) if max_chars else f.read()
+                yield f.read(max_chars if gz else min(max_chars, path.stat().st_size)) if max_chars else f.read()

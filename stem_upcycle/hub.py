@@ -217,13 +217,14 @@ UNREACHABLE = "cannot reach the Hub"
 
 
 @contextmanager
-def _one_line_errors(repo_id: str, options: HubOptions) -> Iterator[None]:
-    """huggingface_hub's errors, and a disk that fills, as one line with the fix."""
+def _one_line_errors(repo_id: str, options: HubOptions, repo_type: str = "model") -> Iterator[None]:
+    """huggingface_hub's errors, and a disk that fills, as one line with the fix (of a checkpoint, or of a dataset's
+    files: `repo_type` "dataset")."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (DisabledRepoError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 
-    page = f"{constants.ENDPOINT}/{repo_id}"
+    page = f"{constants.ENDPOINT}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
     try:
         yield
     except GatedRepoError:
@@ -233,8 +234,9 @@ def _one_line_errors(repo_id: str, options: HubOptions) -> Iterator[None]:
         raise HubError(f"{repo_id} has no revision {options.revision!r} ({options.revision_from}): give a branch, "
                        f"tag or commit it has ({page}/tree/main)") from None
     except RepositoryNotFoundError:
-        raise HubError(f"{repo_id} is not a repository on {constants.ENDPOINT}, or it is private and this token "
-                       f"cannot see it: check the id, or log in (`hf auth login`, HF_TOKEN or --token)") from None
+        kind = "dataset repository" if repo_type == "dataset" else "repository"
+        raise HubError(f"{repo_id} is not a {kind} on {constants.ENDPOINT}, or it is private and this token cannot "
+                       f"see it: check the id, or log in (`hf auth login`, HF_TOKEN or --token)") from None
     except DisabledRepoError:
         raise HubError(f"{repo_id} is disabled on the Hub: its files cannot be downloaded; use another "
                        f"repository") from None

@@ -189,13 +189,13 @@ def _looks_like_hub_id(spec: str) -> bool:
     return re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None
 
 
-def cached_snapshot(repo_id: str, repo_type: str = "model") -> Path | None:
-    """The folder of a hub repository (model or dataset) in the local Hugging Face cache; None when it is not
-    there (nothing is requested)."""
+def cached_snapshot(repo_id: str, repo_type: str = "model", revision: str | None = None) -> Path | None:
+    """The folder of a hub repository (model or dataset) at `revision` (None: main) in the local Hugging Face
+    cache; None when it is not there (nothing is requested)."""
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, repo_type=repo_type, local_files_only=True))
+        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, local_files_only=True))
     except Exception:  # LocalEntryNotFoundError and friends; they vary between huggingface_hub versions
         return None
 

@@ -580,6 +580,30 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
     click.echo(json.dumps(results) if as_json else ev.describe(results, model, reference))
 
 
+def _planned_datasets(recipe, source, token):
+    """The recipe's Hub datasets as a run will fetch them (printed), and their disk needs; nothing is downloaded
+    but a sample of each first file (range requests), which sizes the download."""
+    from stem_upcycle.loading import load_tokenizer
+    from stem_upcycle.training.data import dataset_disk_needs, resolve_datasets, text_needs, training_reads
+    from stem_upcycle.training.tokens import token_dtype
+
+    if weights := recipe.data.train_weights():
+        click.echo("data.train, a mixture (each step's sequences drawn by weight):")
+        for (entry, tokens), weight in zip(training_reads(recipe), weights):
+            click.echo(f"  {weight:6.1%}  {entry}: {tokens:,} tokens read")
+    if not text_needs(recipe):
+        return {}, []
+    tokenizer = load_tokenizer(source)
+    datasets = resolve_datasets(recipe, tokenizer, token)
+    needs = dataset_disk_needs(recipe, datasets, tokenizer)
+    click.echo("Hub datasets (the files the run reads of each, in the repository's order):")
+    for resolved in datasets.values():
+        click.echo("\n".join(line for line in resolved.describe(token_dtype(tokenizer).itemsize) if line))
+    click.echo(f"  download {needs[0].bytes / 1e9:.2f} GB into {needs[0].path}; token cache {needs[1].bytes / 1e9:.2f} "
+               f"GB in {needs[1].path}")
+    return datasets, needs
+
+
 @main.command()
 @click.argument("recipe", type=click.Path(exists=True, dir_okay=False))
 @click.option("--output", required=True, type=click.Path(file_okay=False),
@@ -620,7 +644,8 @@ def train(recipe, output, overrides, resume, quiet, plan_only, launch_config, to
         click.echo(plan.describe())
         if source.pending_download:
             click.echo(describe_download(source.hub_id, source.pending_download))
-        click.echo(plan.confirm(Path(output)))
+        datasets, needs = _planned_datasets(recipe, source, token)
+        click.echo(plan.confirm(Path(output), needs))
         return
     import torch
 

@@ -4,7 +4,9 @@ without internet.
 It answers what `huggingface_hub` asks of the Hub to download files (`HF_ENDPOINT` pointed at it): a file's
 metadata (HEAD) and contents (GET, whole or from a byte offset: `Range`) at `/{repo}/resolve/{revision}/{path}`,
 a repository's info at `/api/models/{repo}[/revision/{revision}]` and its file list at
-`/api/models/{repo}/tree/{revision}`, with the Hub's error answers (`X-Error-Code`). huggingface_hub ships no such
+`/api/models/{repo}/tree/{revision}[/{folder}]`, with the Hub's error answers (`X-Error-Code`). A dataset
+repository is named `datasets/ORG/NAME` (its files at `/datasets/ORG/NAME/resolve/...`, its info at
+`/api/datasets/ORG/NAME...`, as the Hub serves them); a `Range` of `bytes=START-END` gets those bytes alone. huggingface_hub ships no such
 server (its tests run against the real Hub), so this is written here: what a user's downloads need, nothing more.
 
 A repository is a folder (its one revision, `main`) or {revision: folder} (branches or tags; each revision gets a
@@ -95,6 +97,8 @@ class LocalHub:
                               body)
         if path.startswith("/api/models/"):
             return self._api(handler, path.removeprefix("/api/models/"), parse_qs(url.query), body)
+        if path.startswith("/api/datasets/"):
+            return self._api(handler, "datasets/" + path.removeprefix("/api/datasets/"), parse_qs(url.query), body)
         repo, _, rest = path.lstrip("/").partition("/resolve/")
         if repo not in self.repos or not rest:
             return self._send(handler, 404, b"", {"X-Error-Code": "RepoNotFound"}, body)
@@ -112,6 +116,8 @@ class LocalHub:
     def _api(self, handler, rest: str, query: dict, body: bool):
         rest, tree, tree_rest = rest.partition("/tree/")
         name, _, revision = rest.partition("/revision/")
+        if name.startswith("datasets/") and name.count("/") > 2:  # datasets/ORG/NAME/ORG/... is no name
+            name = "/".join(name.split("/")[:3])
         if name not in self.repos:
             return self._send(handler, 404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"},
                               body)
@@ -121,16 +127,20 @@ class LocalHub:
             return self._send(handler, 404, b'{"error": "Revision not found"}', {"X-Error-Code": "RevisionNotFound"},
                               body)
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-        if tree:  # list_repo_tree: every file when recursive, else the top level's files and folders
+        if tree:  # list_repo_tree: every file when recursive, else the folder's files and folders
+            under = tree_rest.partition("/")[2].strip("/")
+            prefix = f"{under}/" if under else ""
+            inside = [f.removeprefix(prefix) for f in files if f.startswith(prefix)]
             recursive = query.get("recursive", ["false"])[0].lower() == "true"
-            listed = files if recursive else [f for f in files if "/" not in f]
-            info = [{"type": "file", "path": f, "size": (folder / f).stat().st_size,
-                     "oid": hashlib.sha1((folder / f).read_bytes()).hexdigest()} for f in listed]
+            listed = inside if recursive else [f for f in inside if "/" not in f]
+            info = [{"type": "file", "path": prefix + f, "size": (folder / prefix / f).stat().st_size,
+                     "oid": hashlib.sha1((folder / prefix / f).read_bytes()).hexdigest()} for f in listed]
             if not recursive:
-                info += [{"type": "directory", "path": d, "oid": COMMIT}
-                         for d in sorted({f.split("/", 1)[0] for f in files if "/" in f})]
+                info += [{"type": "directory", "path": prefix + d, "oid": COMMIT}
+                         for d in sorted({f.split("/", 1)[0] for f in inside if "/" in f})]
         else:
-            info = {"id": name, "modelId": name, "sha": commit, "private": False, "gated": name in self.gated,
+            repo_id = name.removeprefix("datasets/")
+            info = {"id": repo_id, "modelId": repo_id, "sha": commit, "private": False, "gated": name in self.gated,
                     "siblings": [{"rfilename": f, "size": (folder / f).stat().st_size} for f in files]}
         return self._send(handler, 200, json.dumps(info).encode(), {"Content-Type": "application/json"}, body)
 
@@ -145,9 +155,10 @@ class LocalHub:
         headers = {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                    "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
         if range_ and range_.startswith("bytes="):
-            start = int(range_.removeprefix("bytes=").split("-")[0])
-            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-            return self._send(handler, 206, data[start:], headers, body)
+            first, _, last = range_.removeprefix("bytes=").partition("-")
+            start, stop = int(first), min(len(data), int(last) + 1) if last else len(data)
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(data)}"
+            return self._send(handler, 206, data[start:stop], headers, body)
         if body and filename in self.cut_once:  # the connection drops mid-file, this once
             sent = self.cut_once.pop(filename)
             handler.send_response(200)

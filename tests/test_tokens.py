@@ -126,7 +126,7 @@ def _parquet(path, texts, row_group_size, column="text"):
 
 def test_parquet_rows_are_documents_and_hub_datasets_come_from_the_local_cache(corpus, monkeypatch):
     from stem_upcycle.evaluate import read_token_ids
-    from stem_upcycle.training.data import expand_files
+    from stem_upcycle.hub_datasets import DatasetSpec, resolve
 
     tmp_path, tokenizer = corpus
     texts = [_words(15, s, 15) for s in range(10)]
@@ -149,10 +149,12 @@ def test_parquet_rows_are_documents_and_hub_datasets_come_from_the_local_cache(c
     _parquet(snapshot / "data" / "train-00000.parquet", texts, 3)
     (snapshot / "README.md").write_text("# a card, not data")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert expand_files(["hf:some-org/tiny-text"], "data.train") == [snapshot / "data" / "train-00000.parquet"]
-    with pytest.raises(DataError, match="not in the local Hugging Face cache"):
-        expand_files(["hf:some-org/absent"], "data.train")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # offline: the cache's files are the listing
+    monkeypatch.setenv("STEM_UPCYCLE_CACHE", str(tmp_path / "records"))
+    resolved = resolve(DatasetSpec.parse("hf:some-org/tiny-text", "data.train"), 10, tokenizer, "text")
+    assert resolved.paths == [snapshot / "data" / "train-00000.parquet"] and resolved.pending == []
+    with pytest.raises(DataError, match="some-org/absent is not in the Hugging Face cache"):
+        resolve(DatasetSpec.parse("hf:some-org/absent", "data.train"), 10, tokenizer, "text")
 
 
 def test_a_bad_record_in_one_process_share_stops_every_process(corpus):

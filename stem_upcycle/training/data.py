@@ -8,25 +8,27 @@ run, on any number of processes; that is what makes resume exact.
 """
 
 import glob
+import math
+import sys
 from pathlib import Path
 
 import torch
 
 from ..generate import as_stream, cache_root
-from ..source import cached_snapshot
-from .tokens import DataError, Sequences, tokenize_corpus
+from ..hub import DiskNeed, check_disk, download_need
+from ..hub_datasets import DatasetSpec, Resolved, download, is_dataset, resolve
+from .tokens import DataError, Sequences, token_dtype, tokenize_corpus
 
 
-DATA_SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-
-def expand_files(patterns: list[str], what: str) -> list[Path]:
-    """Files named by paths, glob patterns or `hf:ORG/NAME[/GLOB]` (a dataset in the local Hugging Face
-    cache: its .txt, .jsonl and .parquet files, or those matching GLOB), in sorted order, each named once."""
+def expand_files(patterns: list[str], what: str, datasets: dict[str, Resolved] | None = None) -> list[Path]:
+    """Files named by paths, glob patterns or `hf:` datasets (their files as `fetch_datasets` resolved them), in
+    sorted order, each named once."""
     files = []
     for pattern in patterns:
-        if pattern.startswith("hf:"):
-            files += [f for f in _cached_dataset_files(pattern, what) if f not in files]
+        if is_dataset(pattern):
+            if not datasets or pattern not in datasets:
+                raise DataError(f"{what}: {pattern} is not fetched yet")  # a plan's estimate: the callers go without
+            files += [f for f in datasets[pattern].paths if f not in files]
             continue
         found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not found or not all(Path(f).is_file() for f in found):
@@ -35,21 +37,78 @@ def expand_files(patterns: list[str], what: str) -> list[Path]:
     return files
 
 
-def _cached_dataset_files(spec: str, what: str) -> list[Path]:
-    from huggingface_hub.constants import HF_HUB_CACHE
+def text_needs(recipe) -> dict[str, int]:
+    """Tokens the run reads of each `hf:` dataset it names (the most any of its uses reads from its start): the
+    training steps' sequences (a weighted entry its share, plain entries an equal share each), the calibration's
+    share of model.calib_tokens, and each held-out set's data.eval_tokens."""
+    from ..table_init import INITIALISERS
 
-    parts = spec.removeprefix("hf:").split("/", 2)
-    if len(parts) < 2:
-        raise DataError(f"{what}: {spec!r} must look like hf:ORG/NAME or hf:ORG/NAME/GLOB")
-    repo = "/".join(parts[:2])
-    if (folder := cached_snapshot(repo, "dataset")) is None:
-        raise DataError(f"{what}: dataset {repo} is not in the local Hugging Face cache ({HF_HUB_CACHE}); nothing "
-                        f"is downloaded: copy or download it there first")
-    pattern = parts[2] if len(parts) == 3 else "**/*"
-    found = sorted(f for f in folder.glob(pattern) if f.is_file() and f.suffix in DATA_SUFFIXES)
-    if not found:
-        raise DataError(f"{what}: {spec!r} matches no .txt, .jsonl or .parquet file in {folder}")
-    return found
+    d, t, g, m = recipe.data, recipe.train, recipe.generated, recipe.model
+    needs: dict[str, int] = {}
+
+    def need(entries: list[str], tokens: float) -> None:
+        for entry in entries:
+            if is_dataset(entry):
+                needs[entry] = max(needs.get(entry, 0), math.ceil(tokens))
+
+    for entry, tokens in training_reads(recipe):
+        need([entry], tokens)
+    sources = d.train_sources()
+    calib = m.calib_data or sources
+    if calib and not m.init_from and INITIALISERS[m.init].needs_data:
+        generated = g.calib_share if g.tokens else 0.0
+        for entry in calib:
+            need([entry], m.calib_tokens * (1 - generated) / len(calib))
+    for entries in d.eval.values():
+        need(entries, max(1, d.eval_tokens // d.seq_len) * d.seq_len + 1)
+    return needs
+
+
+def training_reads(recipe) -> list[tuple[str, int]]:
+    """(entry, tokens the training steps read of it) for each data.train entry: a weighted entry its weight's share,
+    plain entries (one corpus) an equal share each."""
+    d, t, g = recipe.data, recipe.train, recipe.generated
+    sources = d.train_sources()
+    if not sources:
+        return []
+    text_per_step = t.batch_size - (round(t.batch_size * g.train_share) if g.tokens else 0)
+    tokens = t.steps * text_per_step * d.seq_len + 1
+    tokens = min(tokens, d.max_train_tokens) if d.max_train_tokens else tokens
+    tokens /= 1 - (d.heldout_fraction if not d.eval else 0)  # the held-out tail is cut from the same text
+    weights = d.train_weights() or [1 / len(sources)] * len(sources)
+    return [(entry, math.ceil(tokens * weight)) for entry, weight in zip(sources, weights)]
+
+
+def resolve_datasets(recipe, tokenizer, token: str | None = None, pinned: dict | None = None) -> dict[str, Resolved]:
+    """{entry: which files of it the run reads} for every `hf:` entry of the recipe; nothing is downloaded.
+    `pinned`: a resumed run's records ({entry: Resolved.record()}), read as they are."""
+    pinned = pinned or {}
+    return {entry: resolve(DatasetSpec.parse(entry, "data"), tokens, tokenizer, recipe.data.text_field, token,
+                           pinned.get(entry))
+            for entry, tokens in text_needs(recipe).items()}
+
+
+def dataset_disk_needs(recipe, datasets: dict[str, Resolved], tokenizer) -> list[DiskNeed]:
+    """The download (files not cached yet) and the token cache of the datasets' files."""
+    pending = sum(size for r in datasets.values() for _, size in r.pending)
+    tokens = sum(r.estimated_tokens for r in datasets.values()) * token_dtype(tokenizer).itemsize
+    return [download_need(pending), DiskNeed(cache_root(recipe.data.cache_dir, "tokens"), tokens, "the token cache")]
+
+
+def fetch_datasets(recipe, tokenizer, token: str | None = None, progress: bool = True, pinned: dict | None = None
+                   ) -> dict[str, Resolved]:
+    """The recipe's `hf:` entries resolved and downloaded, once the disk holds them and their token cache."""
+    datasets = resolve_datasets(recipe, tokenizer, token, pinned)
+    if not datasets:
+        return {}
+    if any(r.pending for r in datasets.values()):
+        check_disk(dataset_disk_needs(recipe, datasets, tokenizer))
+    for entry, resolved in datasets.items():
+        if progress and resolved.pending:
+            print(f"fetching {len(resolved.pending)} of the {len(resolved.files)} files of {entry} this run reads "
+                  f"({sum(size for _, size in resolved.pending) / 1e9:.2f} GB)", file=sys.stderr)
+        download(resolved, token, progress)
+    return datasets
 
 
 def pack_ids(sequences: torch.Tensor, tokenizer, seq_len: int) -> Sequences:
@@ -70,25 +129,66 @@ class Batches:
         self.sequences, self.batch_size, self.seed = sequences, batch_size, seed
         self.per_epoch = len(sequences) // batch_size
 
+    def take(self, start: int, count: int) -> torch.Tensor:
+        """[count] indices of the sequences at places start.. of the order: epoch e is a permutation drawn from
+        seed + e, of which the first per_epoch x batch_size places are read (no batch spans two epochs)."""
+        length = self.per_epoch * self.batch_size
+        places = torch.arange(start, start + count)
+        epochs = places // length
+        out = torch.empty(count, dtype=torch.long)
+        for epoch in epochs.unique().tolist():
+            order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(self.seed + epoch))
+            here = epochs == epoch
+            out[here] = order[places[here] - epoch * length]
+        return out
+
     def step(self, step: int) -> torch.Tensor:
         """[batch_size, seq_len + 1] for optimizer step `step` (0-based), the same on every run."""
-        epoch, index = divmod(step, self.per_epoch)
-        order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(self.seed + epoch))
-        return self.sequences[order[index * self.batch_size : (index + 1) * self.batch_size]]
+        return self.sequences[self.take(step * self.batch_size, self.batch_size)]
+
+
+class Mixture:
+    """A step's training-text sequences drawn from weighted sources: how many from each is a multinomial draw
+    seeded by the step, and each source reads its own seeded order onward from where the earlier steps left it,
+    so step s reads the same sequences on every run, a resumed one too."""
+
+    def __init__(self, sources: list, weights: list[float], count: int, seed: int):
+        """`sources`: a `Sequences` each; `count`: sequences per step."""
+        self.orders = [Batches(source, 1, seed + 104729 * k, f"data.train entry {k + 1}")
+                       for k, source in enumerate(sources)]
+        self.weights, self.count, self.seed = torch.tensor(weights, dtype=torch.float64), count, seed
+        self.offsets = [torch.zeros(len(sources), dtype=torch.long)]  # offsets[s]: each source's places before step s
+
+    def counts(self, step: int) -> torch.Tensor:
+        """[sources] sequences of each source in step `step`."""
+        generator = torch.Generator().manual_seed(self.seed * 1000003 + step)
+        draws = torch.multinomial(self.weights, self.count, replacement=True, generator=generator)
+        return torch.bincount(draws, minlength=len(self.orders))
+
+    def step(self, step: int) -> torch.Tensor:
+        while len(self.offsets) <= step:  # a resumed run counts the earlier steps' draws (no sequence is read)
+            self.offsets.append(self.offsets[-1] + self.counts(len(self.offsets) - 1))
+        counts, offsets = self.counts(step), self.offsets[step]
+        return torch.cat([order.sequences[order.take(int(offsets[k]), int(counts[k]))]
+                          for k, order in enumerate(self.orders) if counts[k]])
 
 
 class MixedBatches:
     """Each step's batch: sequences of the training text, then sequences generated by the teacher.
 
     The generated share of a batch is fixed (`round(batch_size * share)`); each source has its own
-    seeded order, so step s reads the same sequences on every run."""
+    seeded order, so step s reads the same sequences on every run. The training text is one corpus, or a
+    `Mixture` of weighted entries."""
 
-    def __init__(self, text: Sequences | None, generated: Sequences | None, batch_size: int, share: float,
-                 seed: int):
+    def __init__(self, text: "Sequences | list | None", generated: Sequences | None, batch_size: int, share: float,
+                 seed: int, weights: list[float] | None = None):
+        """`text`: the corpus's sequences, or with `weights` each entry's."""
         n_generated = round(batch_size * share) if generated is not None else 0
-        self.parts = []  # (Batches, generated?)
+        self.parts = []  # (Batches or Mixture, generated?)
         if n_generated < batch_size:
-            self.parts.append((Batches(text, batch_size - n_generated, seed), False))
+            text_part = (Mixture(text, weights, batch_size - n_generated, seed) if weights is not None
+                         else Batches(text, batch_size - n_generated, seed))
+            self.parts.append((text_part, False))
         if n_generated:
             self.parts.append((Batches(generated, n_generated, seed + 7919, "the generated text"), True))
 
@@ -100,37 +200,45 @@ class MixedBatches:
         return ids, flags
 
 
-def eval_files(recipe) -> dict[str, list[Path]]:
+def eval_files(recipe, datasets: dict[str, Resolved] | None = None) -> dict[str, list[Path]]:
     """The held-out sets' files by set name."""
-    return {name: expand_files(files, f"data.eval.{name}") for name, files in recipe.data.eval.items()}
+    return {name: expand_files(files, f"data.eval.{name}", datasets) for name, files in recipe.data.eval.items()}
 
 
-def heldout_paths(recipe) -> list[Path]:
+def heldout_paths(recipe, datasets: dict[str, Resolved] | None = None) -> list[Path]:
     """Every held-out file of every set: never trained or calibrated on."""
-    return [f for files in eval_files(recipe).values() for f in files]
+    return [f for files in eval_files(recipe, datasets).values() for f in files]
 
 
-def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: None, run: str = ""
-              ) -> tuple[Sequences | None, dict[str, torch.Tensor]]:
-    """(training-text sequences or None, {held-out set: [n, seq_len + 1] ids}). Every process calls this: each
-    tokenises its share of what is not cached yet (`wait`: a barrier across them; `run`: `tokenize_corpus`)."""
+def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: None, run: str = "",
+              datasets: dict[str, Resolved] | None = None
+              ) -> tuple["Sequences | list[Sequences] | None", dict[str, torch.Tensor]]:
+    """(training-text sequences, a list of them for a weighted data.train, or None; {held-out set: [n, seq_len + 1]
+    ids}). Every process calls this: each tokenises its share of what is not cached yet (`wait`: a barrier across
+    them; `run`: `tokenize_corpus`). `datasets`: the recipe's `hf:` entries, fetched (`fetch_datasets`)."""
     d = recipe.data
-    sets = eval_files(recipe)
-    heldout = heldout_paths(recipe)
+    sets = eval_files(recipe, datasets)
+    heldout = heldout_paths(recipe, datasets)
     root = cache_root(d.cache_dir, "tokens")
 
     def stream(files):
         return tokenize_corpus(files, tokenizer, d.text_field, root, rank, world, wait, run=run)
 
-    sequences = None
-    if d.train:
-        train_files = [f for f in expand_files(d.train, "data.train") if f not in heldout]  # held out: never trained on
-        if not train_files:
-            raise DataError("data.train names only held-out files; list training text that data.eval does not name")
-        sequences = Sequences(stream(train_files), d.seq_len, max_tokens=d.max_train_tokens)
+    def training(entries: list[str], what: str) -> Sequences:
+        files = [f for f in expand_files(entries, what, datasets) if f not in heldout]  # held out: never trained on
+        if not files:
+            raise DataError(f"{what} names only held-out files; list training text that data.eval does not name")
+        sequences = Sequences(stream(files), d.seq_len, max_tokens=d.max_train_tokens)
         if not len(sequences):
-            raise DataError(f"the training text has {len(sequences.stream)} tokens, fewer than one sequence of "
+            raise DataError(f"{what} has {len(sequences.stream)} tokens, fewer than one sequence of "
                             f"data.seq_len + 1 = {d.seq_len + 1}")
+        return sequences
+
+    sequences = None
+    if d.train_weights() is not None:  # a mixture: each entry its own sequences
+        sequences = [training([entry], f"data.train entry {entry}") for entry in d.train_sources()]
+    elif d.train:
+        sequences = training(d.train_sources(), "data.train")
     per_set = max(1, d.eval_tokens // d.seq_len)
     if sets:
         return sequences, {name: _heldout(Sequences(stream(files), d.seq_len, count=per_set), name)

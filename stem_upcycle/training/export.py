@@ -27,9 +27,11 @@ MAX_SHARD_BYTES = 5 * 10**9  # convert's default --max-shard-size
 ROWS_PER_WRITE = 4096  # rows of a group of tables joined at once
 
 
-def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: dict, tokens_seen: int) -> Path:
+def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: dict, tokens_seen: int,
+                datasets: dict | None = None) -> Path:
     """Write the trained model into `out`, laid out as the converted `init_dir`; `tables`: {layer: [vocab, k]},
-    `state`: the dense weights by name.
+    `state`: the dense weights by name; `datasets`: the Hub datasets it trained on ({entry: hub_datasets.Resolved}),
+    named with their commits in the config (`stem_training_data`) and the card.
 
     Floating-point tensors are written in `model.export_dtype` (auto: the source checkpoint's dtype, so
     that a bf16 model does not come back in the fp32 its training copy was converted to)."""
@@ -65,8 +67,8 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
         for path in init.directory.iterdir():  # the model's other files; a trained init_from's run files are its own
             if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (INDEX_NAME, *RUN_FILES):
                 shutil.copyfile(path, staging / path.name)
-        _set_config_dtype(staging / "config.json", dtype)
-        _add_training_card(staging / "README.md", out / "train_log.jsonl", recipe, tokens_seen)
+        _set_config(staging / "config.json", dtype, datasets or {})
+        _add_training_card(staging / "README.md", out / "train_log.jsonl", recipe, tokens_seen, datasets or {})
         names = sorted((p.name for p in staging.iterdir()), key=lambda n: n == "config.json")  # config last
         for name in names:
             os.replace(staging / name, out / name)
@@ -75,8 +77,9 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
     return out
 
 
+DATASETS_FILE = "datasets.json"  # the Hub datasets' files a run chose ({entry: Resolved.record()}): a resume reads them
 # What a training run writes into its output beside the model: never copied from the model it started from
-RUN_FILES = ("recipe.yaml", "train_log.jsonl")
+RUN_FILES = ("recipe.yaml", "train_log.jsonl", DATASETS_FILE)
 
 
 def stored_order(init) -> list[str]:
@@ -98,18 +101,30 @@ def _copy_rows(table: torch.Tensor, start: int, stop: int, out: torch.Tensor) ->
     out.copy_(table[start:stop].detach())
 
 
-def _set_config_dtype(config: Path, dtype) -> None:
-    """The config names the weights' dtype (`dtype`, `torch_dtype` before Transformers 5): the exported one."""
+def _set_config(config: Path, dtype, datasets: dict) -> None:
+    """The config names the weights' dtype (`dtype`, `torch_dtype` before Transformers 5): the exported one; and
+    the Hub datasets trained on, each with its commit and the files read."""
     fields = json.loads(config.read_text())
     name = str(dtype).removeprefix("torch.")
     for key in [k for k in ("dtype", "torch_dtype") if k in fields] or ["dtype"]:
         fields[key] = name
+    if datasets:
+        fields["stem_training_data"] = [{k: r.record()[k] for k in ("dataset", "revision", "glob", "files")}
+                                        for r in datasets.values()]
     config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
-def _add_training_card(card: Path, log: Path, recipe, tokens_seen: int) -> None:
+def _add_training_card(card: Path, log: Path, recipe, tokens_seen: int, datasets: dict) -> None:
     evals = [r for r in map(json.loads, log.read_text().splitlines()) if "eval" in r] if log.exists() else []
-    data = ", ".join(recipe.data.train) or "no text of the user's"
+
+    def named(entry: str) -> str:
+        if entry not in datasets:
+            return entry
+        r = datasets[entry]
+        return (f"[{r.spec.repo}]({_hub_page(r.spec.repo)}) at commit `{r.commit}` ({len(r.files)} of its "
+                f"{r.matching} files{' matching ' + r.spec.glob if r.spec.glob else ''})")
+
+    data = ", ".join(map(named, recipe.data.train_sources())) or "no text of the user's"
     if recipe.generated.tokens:
         data += (f" and {recipe.generated.tokens} tokens sampled from `{recipe.model.source}` itself "
                  f"({recipe.generated.train_share:.0%} of each batch)")
@@ -128,3 +143,15 @@ def _add_training_card(card: Path, log: Path, recipe, tokens_seen: int) -> None:
     text = card.read_text() if card.exists() else ""
     text = text.replace(UNTRAINED_HEADING, "> At conversion, before training:")
     card.write_text(text + "".join(lines))
+    if datasets:  # the card's metadata names them, as the Hub lists a model's datasets
+        from huggingface_hub import ModelCard
+
+        model_card = ModelCard.load(card)
+        model_card.data.datasets = sorted({r.spec.repo for r in datasets.values()})
+        model_card.save(card)
+
+
+def _hub_page(repo: str) -> str:
+    from huggingface_hub import constants
+
+    return f"{constants.ENDPOINT}/datasets/{repo}"

@@ -125,9 +125,18 @@ class TrainingPlan:
                        f"host memory (the main process; calibrating processes hold the dense model each)")
         return "\n".join(out)
 
-    def confirm(self, output: Path | None = None) -> str:
-        """A line saying that the run fits this machine, or a PlanError naming everything that does not."""
-        if problems := self.check(output):
+    def confirm(self, output: Path | None = None, also: list = ()) -> str:
+        """A line saying that the run fits this machine, or a PlanError naming everything that does not; `also`:
+        what the run downloads and caches besides OUTPUT (hub.DiskNeed: the datasets' files and tokens)."""
+        problems = self.check(output)
+        if also:
+            from ..hub import HubError, check_disk
+
+            try:
+                check_disk(list(also))
+            except HubError as err:
+                problems.append(str(err).split(";")[0])
+        if problems:
             raise PlanError("; ".join(problems) + ": the run does not fit this machine as planned")
         gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU: GPU memory not checked"
         return f"fits this machine ({os.cpu_count()} CPUs, {(_available_memory() or 0) / GB:.1f} GB available{gpu})"
@@ -288,7 +297,7 @@ def count_distinct_rows(recipe: Recipe, source) -> int | None:
     wanted = t.batch_size * recipe.data.seq_len
     try:
         tokenizer = load_tokenizer(source)
-        files = expand_files(recipe.data.train, "data.train")
+        files = expand_files(recipe.data.train_sources(), "data.train")  # an hf: dataset not fetched yet: None
     except (UserError, OSError, ValueError):
         return None
     ids = []

@@ -35,7 +35,9 @@ class ModelSection:
     columns: str = ""
     init: str = "calib"  # table init when converting (as `convert --init`)
     first_token: str = "dense"  # what a sequence's first token reads in a STEM layer (as `convert --first-token`)
-    calib_data: list = field(default_factory=list)  # calibration text files (globs); default: the training files
+    # calibration text: files, globs or hf:ORG/NAME[/GLOB][@REVISION] datasets, each entry an equal share; default:
+    # the training text's entries
+    calib_data: list = field(default_factory=list)
     calib_tokens: int = 65536
     calib_seq_len: int = 512
     parent_contexts: int = 16  # every token's row read from the source after this many contexts (as convert --parent-contexts)
@@ -66,17 +68,31 @@ class LocalSection:
 
 @dataclass
 class DataSection:
-    train: list = field(default_factory=list)  # text (.txt) or JSON-lines (.jsonl) files; globs allowed
+    # Training text: .txt, .jsonl, .parquet (and .jsonl.gz, .json.gz, .txt.gz) files, globs, or Hugging Face datasets
+    # `hf:ORG/NAME[/GLOB][@REVISION]` (downloaded as far as the run reads them: hub_datasets.py). Plain entries are
+    # one corpus; entries {source: ..., weight: w} (all of them) are a mixture, each step's sequences drawn by weight.
+    train: list = field(default_factory=list)
     # Held-out sets, each scored and reported on its own: {name: files}, or a plain list of files
-    # (one set, "heldout"). Never trained or calibrated on. Empty: the last `heldout_fraction` of
+    # (one set, "heldout"); datasets too. Never trained or calibrated on. Empty: the last `heldout_fraction` of
     # the training sequences.
     eval: dict = field(default_factory=dict)
     heldout_fraction: float = 0.05
-    text_field: str = "text"  # the field of a .jsonl record that holds the document
+    text_field: str = "text"  # the field of a .jsonl record or the column of a .parquet file that holds the document
     seq_len: int = 512  # tokens per packed training sequence (documents joined with EOS)
     max_train_tokens: int = 0  # 0: all
     eval_tokens: int = 8192  # held-out tokens of each set scored at each evaluation
     cache_dir: str = ""  # tokenised text; default: $STEM_UPCYCLE_CACHE/tokens or ~/.cache/stem-upcycle/tokens
+
+    def train_sources(self) -> list[str]:
+        """The training entries' files, globs or datasets."""
+        return [entry["source"] if isinstance(entry, dict) else entry for entry in self.train]
+
+    def train_weights(self) -> list[float] | None:
+        """The mixture's weights, normalised; None when the entries are one corpus."""
+        if not self.train or not isinstance(self.train[0], dict):
+            return None
+        total = sum(float(entry["weight"]) for entry in self.train)
+        return [float(entry["weight"]) / total for entry in self.train]
 
 
 @dataclass
@@ -235,8 +251,8 @@ def _coerce(value, default, key: str):
         if not isinstance(value, dict):
             return {"heldout": _coerce(value, [], key)} if value else {}
         return {str(name): _coerce(files, [], f"{key}.{name}") for name, files in value.items()}
-    if isinstance(default, list):
-        return [value] if isinstance(value, str) else list(value or [])
+    if isinstance(default, list):  # one entry (a file, a mapping) or a list of them
+        return [value] if isinstance(value, (str, dict)) else list(value or [])
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise RecipeError(f"recipe key {key} must be true or false, got {value!r}")
@@ -308,6 +324,7 @@ def _validate(recipe: Recipe) -> None:
     if g.tokens and g.tokens < recipe.data.seq_len + 1:
         raise RecipeError(f"generated.tokens {g.tokens} makes no training sequence of data.seq_len + 1 = "
                           f"{recipe.data.seq_len + 1} tokens")
+    _validate_train_entries(recipe.data)
     if (not g.tokens or g.train_share < 1) and not recipe.data.train:
         raise RecipeError("data.train is empty; list training text files, or train on generated text alone "
                           "(generated.tokens > 0 and generated.train_share: 1)")
@@ -340,3 +357,26 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError(f"model.first_token {recipe.model.first_token!r} is unknown; choose {' or '.join(FIRST_TOKEN)}")
     if not recipe.model.source:
         raise RecipeError("model.source is empty; name the dense checkpoint (the teacher), e.g. smollm2-135m")
+
+
+def _validate_train_entries(data: DataSection) -> None:
+    example = "e.g. {source: hf:HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet, weight: 0.8}"
+    weighted = [isinstance(entry, dict) for entry in data.train]
+    for entry in data.train:
+        if isinstance(entry, dict):
+            if set(entry) != {"source", "weight"} or not isinstance(entry["source"], str):
+                raise RecipeError(f"data.train entry {entry!r} must have the keys source and weight ({example})")
+            try:
+                weight = float(entry["weight"])
+            except (TypeError, ValueError):
+                weight = -1.0
+            if not weight > 0:
+                raise RecipeError(f"data.train entry {entry['source']}: weight must be a number > 0, got {entry['weight']!r}")
+        elif not isinstance(entry, str):
+            raise RecipeError(f"data.train entry {entry!r} must be a file, a glob, an hf: dataset or a mapping "
+                              f"({example})")
+    if any(weighted) and not all(weighted):
+        raise RecipeError(f"data.train mixes weighted and plain entries: give every entry a weight ({example}), or "
+                          f"none (one corpus)")
+    if any(weighted) and not data.eval:
+        raise RecipeError("a weighted data.train is not split for held-out text: name held-out sets in data.eval")

@@ -52,13 +52,13 @@ def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> t
     return text.load(), stats
 
 
-def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Path, progress: bool
-                  ) -> tuple[Path, torch.Tensor | None]:
+def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Path, progress: bool,
+                  datasets: dict | None = None) -> tuple[Path, torch.Tensor | None]:
     """(the STEM checkpoint training starts from: model.init_from, or `source` converted into OUTPUT/init;
     the ids whose rows a calibrated conversion of this run set from text, None when it set none).
 
     A calibrated init reads its text in every process (each a share, on its device; the sums are
-    reduced), then the main process writes the checkpoint."""
+    reduced), then the main process writes the checkpoint. `datasets`: the recipe's `hf:` entries, fetched."""
     m = recipe.model
     if m.init_from:
         start = open_source(m.init_from)
@@ -69,13 +69,13 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
                               f"--table-dtype float32`), train OUT, then compress the result")
         return Path(start.directory or m.init_from), None
     init_dir = output / "init"
-    heldout = heldout_paths(recipe)
-    patterns = m.calib_data or recipe.data.train
+    heldout = heldout_paths(recipe, datasets)
+    patterns = m.calib_data or recipe.data.train_sources()
     # each entry (a file, a glob, a dataset: a genre) an equal share of the calibration text; held-out files never
-    calib = [group for group in ([str(f) for f in expand_files([pattern], "model.calib_data") if f not in heldout]
-                                 for pattern in patterns) if group]
+    calib = [group for group in ([str(f) for f in expand_files([pattern], "model.calib_data", datasets)
+                                  if f not in heldout] for pattern in patterns) if group]
     options = InitOptions(calib_data=calib, calib_tokens=m.calib_tokens, calib_seq_len=m.calib_seq_len,
-                          heldout_data={name: [str(f) for f in fs] for name, fs in eval_files(recipe).items()},
+                          heldout_data={name: [str(f) for f in fs] for name, fs in eval_files(recipe, datasets).items()},
                           dense_model=teacher,  # held-out text is never calibrated on either
                           fit=FitOptions(**dataclasses.asdict(recipe.local)),
                           parent=ParentRowOptions(contexts=m.parent_contexts), shrink=m.shrink, fact_weight=m.fact_weight)

@@ -118,7 +118,7 @@ def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, r
     if todo and (errors := sorted(staging.glob("part-*.error"))):
         raise DataError(errors[0].read_text())
     if todo and rank == 0:
-        _join(folder, staging, world, _dtype(tokenizer))
+        _join(folder, staging, world, token_dtype(tokenizer))
     wait()
     return TokenFile(folder)
 
@@ -131,7 +131,7 @@ def _encode_share(files, tokenizer, text_field: str, piece_bytes: int, rank: int
         for at in range(0, len(mine), BATCH_PIECES):
             batch = [pieces[i] for i in mine[at : at + BATCH_PIECES]]
             for ids in _encode(batch, tokenizer, text_field, tokenizer.eos_token_id):
-                part.write(ids.astype(_dtype(tokenizer)).tobytes())
+                part.write(ids.astype(token_dtype(tokenizer)).tobytes())
                 counts.append(int(ids.size))
     (staging / f"part-{rank}.json").write_text(json.dumps(counts))
 
@@ -156,7 +156,7 @@ def _join(folder: Path, staging: Path, world: int, dtype: np.dtype) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def _dtype(tokenizer) -> np.dtype:
+def token_dtype(tokenizer) -> np.dtype:
     return np.dtype(np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32)
 
 

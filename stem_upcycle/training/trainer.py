@@ -16,6 +16,7 @@ batch; the tables are one shared host copy per machine, see tables.SharedTables)
 """
 
 import hashlib
+import json
 import math
 import os
 import resource
@@ -34,7 +35,7 @@ from ..evaluate import figures
 from ..loading import load_tokenizer, model_from_source
 from ..source import open_source
 from . import checkpoint, export
-from .data import MixedBatches, load_data, pack_ids
+from .data import MixedBatches, fetch_datasets, load_data, pack_ids
 from .starting_point import generated_text, initial_model
 from .losses import HeadLoss, head_loss
 from .recipe import Recipe, bf16_autocast, check_batch
@@ -129,10 +130,11 @@ class Trainer:
             self.source = open_source(recipe.model.source, self.hub)
         self.teacher = self._teacher()  # the distillation target, and the reference of every evaluation
         self.teacher_tokenizer = load_tokenizer(self.source)  # what generation samples with and calibration joins with
+        self.datasets = self._datasets(resume)
         self.generated, self.generation_stats = generated_text(recipe, self.source, self.teacher,
                                                                self.teacher_tokenizer, acc, self.progress)
         self.init_dir, calibrated = initial_model(recipe, self.source, self.teacher, self.teacher_tokenizer,
-                                                  self.generated, acc, self.output, self.progress)
+                                                  self.generated, acc, self.output, self.progress, self.datasets)
         init = open_source(str(self.init_dir))
         # Which ids' rows were set from text (calibrated here) or trained so far: the held-out tokens they
         # cover are reported with every evaluation. A first token that keeps W_up reads no row.
@@ -142,9 +144,10 @@ class Trainer:
             self.covered[calibrated] = True
         self.tokenizer = load_tokenizer(init)
         train_text, self.heldout = load_data(recipe, self.tokenizer, acc.process_index, acc.num_processes,
-                                             acc.wait_for_everyone, run=self.run_key)
+                                             acc.wait_for_everyone, run=self.run_key, datasets=self.datasets)
         generated = None if self.generated is None else pack_ids(self.generated, self.tokenizer, recipe.data.seq_len)
-        self.batches = MixedBatches(train_text, generated, t.batch_size, recipe.generated.train_share, t.seed)
+        self.batches = MixedBatches(train_text, generated, t.batch_size, recipe.generated.train_share, t.seed,
+                                    recipe.data.train_weights())
         self._eval_reference = {}  # held-out set -> (teacher hidden states per micro-batch, teacher nll), once
 
         from transformers import AutoModelForCausalLM
@@ -203,6 +206,19 @@ class Trainer:
     def _teacher(self):
         dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
         return model_from_source(self.source, dtype).to(self.accelerator.device).requires_grad_(False)
+
+    def _datasets(self, resume: bool) -> dict:
+        """The recipe's `hf:` datasets, downloaded by each machine's first process (the others then read the cache
+        and the records it wrote, asking the Hub nothing); a resumed run reads the files its start chose
+        (OUTPUT/datasets.json), whatever its branch names now."""
+        acc, record = self.accelerator, self.output / export.DATASETS_FILE
+        pinned = json.loads(record.read_text()) if resume and record.exists() else None
+        with acc.local_main_process_first():
+            datasets = fetch_datasets(self.recipe, self.teacher_tokenizer, self.hub.token,
+                                      self.progress and acc.is_local_main_process, pinned)
+        if datasets and acc.is_main_process and pinned is None:
+            record.write_text(json.dumps({entry: r.record() for entry, r in datasets.items()}, indent=1) + "\n")
+        return datasets
 
     # -- one step ------------------------------------------------------------------------------
     def _teacher_hidden(self, inputs):
@@ -374,7 +390,7 @@ class Trainer:
             state = {k.removeprefix("student."): v for k, v in acc.get_state_dict(self.step_module).items()}
         if acc.is_main_process:
             export.write_model(self.output, self.init_dir, self.source, self.recipe,
-                               {i: t.weight for i, t in self.tables.items()}, state, self.tokens_seen)
+                               {i: t.weight for i, t in self.tables.items()}, state, self.tokens_seen, self.datasets)
             if not (self.recipe.model.init_from or self.recipe.model.keep_init):
                 shutil.rmtree(self.init_dir, ignore_errors=True)
             if not self.recipe.train.keep_checkpoints_at_end:  # OUTPUT is then the model, ready to share

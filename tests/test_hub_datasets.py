@@ -1,0 +1,243 @@
+"""Recovery text named by Hugging Face dataset id (`hf:ORG/NAME[/GLOB][@REVISION]`): from a Hub served locally
+(`hub_server.py`; nothing reaches the internet), only the files a run's tokens need, then from the cache with no
+request, offline too; every failure one line with nothing half-written; mixtures drawn by weight, exactly on resume."""
+
+import gzip
+import json
+import shutil
+
+import huggingface_hub.constants
+import pytest
+import torch
+
+from stem_upcycle.documents import DataError
+from stem_upcycle.training.data import Batches, Mixture, MixedBatches, fetch_datasets, resolve_datasets, text_needs
+from stem_upcycle.training.recipe import RecipeError, load_recipe
+
+from .conftest import markov_text, save_tiny_tokenizer
+from .test_hub_download import REPO, fails, hub, repo, run, save_dense  # noqa: F401 (fixtures)
+
+DATASET = "someorg/web-text"
+SHARDS = [f"sample/10BT/00{i}_00000.parquet" for i in range(4)]
+WORDS_PER_DOC, DOCS_PER_SHARD = 60, 40  # 2,440 tokens a shard (a word a token, and an EOS after each document)
+
+
+@pytest.fixture(autouse=True)
+def _private_records(tmp_path, monkeypatch):
+    """Each test's own stem-upcycle cache: its Hub serves other files under the same commit as another test's."""
+    monkeypatch.setenv("STEM_UPCYCLE_CACHE", str(tmp_path / "cache"))
+
+
+def _parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": texts, "id": list(range(len(texts)))}), path, row_group_size=10)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """A dataset repository as FineWeb-Edu lays one out: a config's parquet shards under sample/10BT/, another
+    config, a card; and a JSON-lines one (.jsonl.gz)."""
+    folder = tmp_path / "dataset"
+    for i, name in enumerate(SHARDS):
+        _parquet(folder / name, [markov_text(WORDS_PER_DOC, 100 * i + d) for d in range(DOCS_PER_SHARD)])
+    _parquet(folder / "data/CC-MAIN-2024-10/000.parquet", [markov_text(50, 7)])
+    (folder / "README.md").write_text("---\nlicense: odc-by\n---\n# web text\n")
+    return folder
+
+
+def _recipe(tmp_path, train, steps=4, extra=""):
+    (tmp_path / "heldout.txt").write_text(markov_text(400, 99))
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"""
+model: {{source: {tmp_path / 'dense'}, layers: "0,2", init: closed-form}}
+data: {{train: {json.dumps(train)}, eval: {{held: [{tmp_path / 'heldout.txt'}]}}, seq_len: 32, eval_tokens: 64}}
+train: {{batch_size: 4, micro_batch_size: 4, steps: {steps}, eval_every: 0, warmup_steps: 1}}
+{extra}""")
+    return path
+
+
+@pytest.fixture
+def dense(tmp_path):
+    save_dense(tmp_path / "dense")
+    return tmp_path / "dense"
+
+
+def _tokenizer(dense):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(dense)
+
+
+def full_downloads(hub):
+    """Files fetched whole (not the range requests of a sample)."""
+    return {r.path.split("/resolve/", 1)[1].split("/", 1)[1] for r in hub.downloads()
+            if "-" not in r.headers.get("Range", "-").removeprefix("bytes=").rstrip("-")}
+
+
+def test_a_recipe_naming_a_dataset_fetches_only_the_shards_its_tokens_need_then_asks_nothing(hub, dataset, dense,
+                                                                                            tmp_path, monkeypatch):
+    hub.repos[f"datasets/{DATASET}"] = {"main": dataset}
+    spec = f"hf:{DATASET}/sample/10BT/*.parquet"
+    # 30 steps x 4 x 32 tokens, x 1.25: more than the first shard's estimate (3,743 tokens), less than two
+    recipe_file = _recipe(tmp_path, [spec], steps=30)
+    assert text_needs(load_recipe(recipe_file))[spec] == 30 * 4 * 32 + 1
+    plan = run("train", recipe_file, "--output", tmp_path / "run", "--plan", "--quiet")
+    assert plan.exit_code == 0, plan.output
+    assert f"{spec}: {DATASET} at commit " in plan.output and "2 of 4 files" in plan.output, plan.output
+    assert f"{SHARDS[0]}, {SHARDS[1]}" in plan.output and "token cache" in plan.output
+    assert full_downloads(hub) == set()  # the plan fetched a sample of the first shard, by range requests
+
+    result = run("train", recipe_file, "--output", tmp_path / "run", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert full_downloads(hub) == set(SHARDS[:2])  # as the plan said; not the other config, not the card
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["stem_training_data"][0]["dataset"] == DATASET
+    assert [name for name, _ in config["stem_training_data"][0]["files"]] == SHARDS[:2]
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert f"[{DATASET}]" in card and "at commit `" + "0" * 40 + "` (2 of its 4 files matching" in card
+    assert f"datasets:\n- {DATASET}" in card
+
+    hub.requests.clear()  # a second run: the records and the cache answer
+    assert run("train", recipe_file, "--output", tmp_path / "again", "--quiet").exit_code == 0
+    assert hub.requests == []
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert run("train", recipe_file, "--output", tmp_path / "offline", "--quiet").exit_code == 0
+    assert hub.requests == []
+
+
+def test_jsonl_gz_files_are_read_as_json_lines_and_a_missing_field_names_those_there(hub, dense, tmp_path):
+    folder = tmp_path / "jsonl-dataset"
+    (folder / "data").mkdir(parents=True)
+    for i in range(2):
+        with gzip.open(folder / "data" / f"part-{i}.json.gz", "wt") as f:
+            for d in range(30):
+                f.write(json.dumps({"content": markov_text(50, 10 * i + d), "url": "x"}) + "\n")
+    hub.repos["datasets/someorg/jsonl-text"] = {"main": folder}
+    spec = "hf:someorg/jsonl-text"
+    tokenizer = _tokenizer(dense)
+    with pytest.raises(DataError, match=r"has no string field 'text' \(its fields: content, url\); set data.text_field"):
+        resolve_datasets(load_recipe(_recipe(tmp_path, [spec])), tokenizer)
+    recipe = load_recipe(_recipe(tmp_path, [spec]), ["data.text_field=content"])
+    datasets = fetch_datasets(recipe, tokenizer, progress=False)
+    assert [p.name for p in datasets[spec].paths] == ["part-0.json.gz"]
+    from stem_upcycle.training.data import load_data
+
+    train, _ = load_data(recipe, tokenizer, datasets=datasets)
+    first = train.stream.read(0, 51).tolist()
+    assert first == tokenizer(markov_text(50, 0), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("case", ["gated", "no-match", "missing-repo", "missing-revision", "offline-empty", "disk",
+                                  "unreachable"])
+def test_each_dataset_failure_is_one_line_and_writes_nothing(hub, dataset, dense, tmp_path, monkeypatch, case):
+    hub.repos[f"datasets/{DATASET}"] = {"main": dataset}
+    spec, fragments = f"hf:{DATASET}/sample/10BT/*.parquet", []
+    if case == "gated":
+        hub.gated.add(f"datasets/{DATASET}")
+        fragments = [f"{DATASET} is gated: accept its licence at {hub.url}/datasets/{DATASET}", "HF_TOKEN"]
+    elif case == "no-match":
+        spec = f"hf:{DATASET}/sample/350BT/*.parquet"
+        fragments = ["matches no .parquet", "its data files are e.g. data/CC-MAIN-2024-10/000.parquet", "fix the glob"]
+    elif case == "missing-repo":
+        spec, fragments = "hf:someorg/absent", ["someorg/absent is not a dataset repository on"]
+    elif case == "missing-revision":
+        spec, fragments = f"hf:{DATASET}@v9", [f"{DATASET} has no revision 'v9' (the @REVISION of hf:{DATASET}@v9)"]
+    elif case == "offline-empty":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        fragments = ["HF_HUB_OFFLINE=1 forbids downloading", "run once online"]
+    elif case == "disk":
+        real = shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+        fragments = ["not enough disk space: the download 0.00 GB", "and the token cache"]
+    elif case == "unreachable":
+        hub.failing = 500
+        fragments = ["cannot reach the Hub: it answered 500 for someorg/web-text", "try again later"]
+    line = fails(run("train", _recipe(tmp_path, [spec]), "--output", tmp_path / "run", "--quiet"), *fragments)
+    assert "Traceback" not in line
+    assert full_downloads(hub) == set() and not (tmp_path / "run").exists()
+
+
+def test_a_download_cut_mid_file_resumes(hub, dataset, dense, tmp_path, monkeypatch):
+    hub.repos[f"datasets/{DATASET}"] = {"main": dataset}
+    monkeypatch.setattr(huggingface_hub.constants, "DOWNLOAD_CHUNK_SIZE", 500)
+    hub.cut_once[SHARDS[0]] = 1000
+    recipe = load_recipe(_recipe(tmp_path, [f"hf:{DATASET}/sample/10BT/*.parquet"]))
+    datasets = fetch_datasets(recipe, _tokenizer(dense), progress=False)
+    gets = [r for r in hub.downloads() if r.path.endswith(SHARDS[0]) and r.headers.get("Range", "").endswith("-")
+            or r.path.endswith(SHARDS[0]) and "Range" not in r.headers]
+    assert [r.headers.get("Range") for r in gets] == [None, "bytes=1000-"]  # resumed where it was cut
+    path = datasets[f"hf:{DATASET}/sample/10BT/*.parquet"].paths[0]
+    assert path.read_bytes() == (dataset / SHARDS[0]).read_bytes()
+
+
+def test_a_mixture_draws_each_source_by_weight_and_reads_the_same_sequences_after_a_resume():
+    web, domain = torch.arange(4000).view(1000, 4), -torch.arange(1, 401).view(100, 4)
+    mixture = Mixture([web, domain], [0.8, 0.2], count=10, seed=5)
+    steps = [mixture.step(s) for s in range(300)]
+    share = torch.cat(steps)[:, 0].lt(0).float().mean().item()
+    assert abs(share - 0.2) < 0.02, share
+    resumed = Mixture([web, domain], [0.8, 0.2], count=10, seed=5)
+    assert all(torch.equal(resumed.step(s), steps[s]) for s in (299, 150, 151))  # a resume at any step
+    seen = torch.cat(steps)[:, 0]
+    domain_seen = seen[seen < 0]
+    # each source reads its own order onward: no sequence of an epoch twice before all are read
+    assert domain_seen[:100].unique().numel() == 100
+    # a plain corpus reads what it read before this issue (one batch of Batches.step per step)
+    plain = Batches(web, 8, seed=3)
+    order = torch.randperm(1000, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(plain.step(2), web[order[16:24]])
+    assert MixedBatches([web, domain], None, 10, 0.0, 5, [0.8, 0.2]).step(299)[0].shape == (10, 4)
+
+
+def test_weighted_entries_are_checked_when_the_recipe_is_read(tmp_path):
+    (tmp_path / "dense").mkdir()
+    cases = {
+        "[{source: a.txt, weight: 0.8}, b.txt]": "mixes weighted and plain entries",
+        "[{source: a.txt, weight: 0}]": "weight must be a number > 0",
+        "[{source: a.txt, share: 1}]": "must have the keys source and weight",
+    }
+    for train, message in cases.items():
+        path = tmp_path / "r.yaml"
+        path.write_text(f"model: {{source: x}}\ndata: {{train: {train}, eval: [h.txt]}}\n")
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(path)
+    path.write_text("model: {source: x}\ndata: {train: [{source: a.txt, weight: 1}]}\n")
+    with pytest.raises(RecipeError, match="name held-out sets in data.eval"):
+        load_recipe(path)
+
+
+def test_a_mixture_of_a_dataset_and_local_text_trains_and_resumes_as_an_uninterrupted_run(hub, dataset, dense,
+                                                                                          tmp_path, monkeypatch):
+    from stem_upcycle.training.trainer import Trainer
+
+    hub.repos[f"datasets/{DATASET}"] = {"main": dataset}
+    (tmp_path / "domain.txt").write_text(markov_text(3000, 5))
+    spec = f"hf:{DATASET}/sample/10BT/*.parquet"
+    train = [{"source": spec, "weight": 0.75}, {"source": str(tmp_path / "domain.txt"), "weight": 0.25}]
+    recipe_file = _recipe(tmp_path, train, steps=5)
+    plan = run("train", recipe_file, "--output", tmp_path / "a", "--plan", "--quiet")
+    assert f" 75.0%  {spec}: 481 tokens read" in plan.output and " 25.0%" in plan.output, plan.output
+    recipe = load_recipe(recipe_file, ["train.checkpoint_every=2"])
+    Trainer(recipe, tmp_path / "a", progress=False).run()
+    uninterrupted = [json.loads(line) for line in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+
+    real_step = Trainer.train_step
+
+    def crash_at_step_4(self, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(recipe, tmp_path / "b", progress=False).run()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    hub.requests.clear()
+    hub.failing = 500  # the resume reads OUTPUT/datasets.json and the cache: it needs no Hub
+    Trainer(recipe, tmp_path / "b", resume=True, progress=False).run()
+    resumed = [json.loads(line) for line in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
+    assert [r.get("loss") for r in resumed] == [r.get("loss") for r in uninterrupted] and len(resumed) == 6
+    assert hub.requests == []
