@@ -43,7 +43,7 @@ def _kind(path: Path) -> str:
     return "jsonl" if name.endswith((".jsonl", ".jsonl.gz", ".json.gz")) else "txt"
 
 
-_open_gzip: dict[Path, gzip.GzipFile] = {}  # the one .gz file read now: pieces are read in order, so a seek goes on
+_open_gzip: dict[tuple, gzip.GzipFile] = {}  # the one .gz file read now: pieces are read in order, so a seek goes on
 
 
 def _open(path: Path):
@@ -51,12 +51,14 @@ def _open(path: Path):
     forward by decompressing, so reading its pieces in order decompresses it once."""
     if not path.name.endswith(".gz"):
         return path.open("rb")
-    if path not in _open_gzip:
+    stat = path.stat()
+    key = (path, stat.st_size, stat.st_mtime_ns)  # a file rewritten since is opened again
+    if key not in _open_gzip:
         for old in _open_gzip.values():
             old.close()
         _open_gzip.clear()
-        _open_gzip[path] = gzip.open(path, "rb")
-    return _Kept(_open_gzip[path])
+        _open_gzip[key] = gzip.open(path, "rb")
+    return _Kept(_open_gzip[key])
 
 
 class _Kept:

@@ -122,7 +122,8 @@ def resolve(spec: DatasetSpec, need: int, tokenizer, text_field: str, token: str
                       if is_data_file(name) and (not spec.glob or fnmatch.fnmatchcase(name, spec.glob)))
     if not matching:
         data = sorted(name for name in listing if is_data_file(name))
-        example = f"; its data files are e.g. {', '.join(data[:3])}" if data else "; it has no data file"
+        example = (f"; its data files are e.g. {', '.join(data[:3])}" if data else
+                   f"; it has no folder {_folder(spec)}" if _folder(spec) and not listing else "; it has no data file")
         raise DataError(f"{spec.text}: the glob {spec.glob or '*'!r} matches no .parquet, .jsonl(.gz), .json.gz or "
                         f".txt file of {spec.repo} at commit {commit[:12]}{example}: fix the glob")
     ratio, ratio_record = _tokens_per_byte(spec, commit, matching[0], tokenizer, text_field, token)
@@ -157,14 +158,23 @@ def _records_folder(spec: DatasetSpec) -> Path:
     return cache_root(None, "datasets") / spec.repo.replace("/", "--")
 
 
+def _folder(spec: DatasetSpec) -> str:
+    """The folder the glob names before its first wildcard ("" : the top): all that is listed of the repository."""
+    parts = spec.glob.split("/")[:-1]
+    fixed = [part for part in parts[: next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))]]
+    return "/".join(fixed)
+
+
 def _listing_record(spec: DatasetSpec) -> Path:
-    return _records_folder(spec) / f"listing-{quote(spec.revision or 'main', safe='')}.json"
+    where = hashlib.sha256(_folder(spec).encode()).hexdigest()[:12]
+    return _records_folder(spec) / f"listing-{quote(spec.revision or 'main', safe='')}-{where}.json"
 
 
 def _listing(spec: DatasetSpec, token: str | None) -> tuple[str, dict[str, int]]:
-    """(commit, {path: bytes} of every file): the record, or the Hub's answer (recorded), or offline the revision's
-    folder in the Hugging Face cache."""
+    """(commit, {path: bytes} of the files under the glob's folder): the record, or the Hub's answer (recorded), or
+    offline the revision's folder in the Hugging Face cache."""
     from huggingface_hub import HfApi, constants
+    from huggingface_hub.hf_api import RepoFile
 
     record = _listing_record(spec)
     if record.is_file():
@@ -178,11 +188,20 @@ def _listing(spec: DatasetSpec, token: str | None) -> tuple[str, dict[str, int]]
                             f"cache ({constants.HF_HUB_CACHE}) nor recorded by an earlier run: run once online")
         files = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
         return folder.name, files
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    api = HfApi(token=token)
     with _one_line_errors(spec.repo, spec.hub(token, False), "dataset"):
-        info = HfApi(token=token).dataset_info(spec.repo, revision=spec.revision, files_metadata=True)
-    files = {s.rfilename: s.size or 0 for s in info.siblings or []}
-    _write(record, {"commit": info.sha, "files": files})
-    return info.sha, files
+        commit = api.dataset_info(spec.repo, revision=spec.revision).sha  # then the folder at that commit alone: a
+        # corpus such as allenai/c4 holds tens of thousands of files
+        try:
+            files = {entry.path: entry.size or 0 for entry in api.list_repo_tree(
+                spec.repo, _folder(spec) or None, recursive=True, revision=commit, repo_type="dataset")
+                if isinstance(entry, RepoFile)}
+        except RemoteEntryNotFoundError:  # no such folder
+            files = {}
+    _write(record, {"commit": commit, "files": files})
+    return commit, files
 
 
 def _cached_folder(spec: DatasetSpec) -> Path | None:

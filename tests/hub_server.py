@@ -131,6 +131,8 @@ class LocalHub:
             under = tree_rest.partition("/")[2].strip("/")
             prefix = f"{under}/" if under else ""
             inside = [f.removeprefix(prefix) for f in files if f.startswith(prefix)]
+            if under and not inside:  # the Hub's answer for a folder it does not have
+                return self._send(handler, 404, b'{"error": "not found"}', {"X-Error-Code": "EntryNotFound"}, body)
             recursive = query.get("recursive", ["false"])[0].lower() == "true"
             listed = inside if recursive else [f for f in inside if "/" not in f]
             info = [{"type": "file", "path": prefix + f, "size": (folder / prefix / f).stat().st_size,

@@ -130,7 +130,7 @@ def test_jsonl_gz_files_are_read_as_json_lines_and_a_missing_field_names_those_t
     assert first == tokenizer(markov_text(50, 0), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-@pytest.mark.parametrize("case", ["gated", "no-match", "missing-repo", "missing-revision", "offline-empty", "disk",
+@pytest.mark.parametrize("case", ["gated", "no-match", "no-match-in-folder", "missing-repo", "missing-revision", "offline-empty", "disk",
                                   "unreachable"])
 def test_each_dataset_failure_is_one_line_and_writes_nothing(hub, dataset, dense, tmp_path, monkeypatch, case):
     hub.repos[f"datasets/{DATASET}"] = {"main": dataset}
@@ -140,7 +140,10 @@ def test_each_dataset_failure_is_one_line_and_writes_nothing(hub, dataset, dense
         fragments = [f"{DATASET} is gated: accept its licence at {hub.url}/datasets/{DATASET}", "HF_TOKEN"]
     elif case == "no-match":
         spec = f"hf:{DATASET}/sample/350BT/*.parquet"
-        fragments = ["matches no .parquet", "its data files are e.g. data/CC-MAIN-2024-10/000.parquet", "fix the glob"]
+        fragments = ["matches no .parquet", "it has no folder sample/350BT", "fix the glob"]
+    elif case == "no-match-in-folder":
+        spec = f"hf:{DATASET}/sample/10BT/*.jsonl"
+        fragments = ["matches no .parquet", f"its data files are e.g. {SHARDS[0]}", "fix the glob"]
     elif case == "missing-repo":
         spec, fragments = "hf:someorg/absent", ["someorg/absent is not a dataset repository on"]
     elif case == "missing-revision":
@@ -241,3 +244,59 @@ def test_a_mixture_of_a_dataset_and_local_text_trains_and_resumes_as_an_uninterr
     resumed = [json.loads(line) for line in (tmp_path / "b" / "train_log.jsonl").read_text().splitlines()]
     assert [r.get("loss") for r in resumed] == [r.get("loss") for r in uninterrupted] and len(resumed) == 6
     assert hub.requests == []
+
+
+# The Llama recipes' sizes scaled to tiny stand-ins: everything else is the recipe's own
+TINY = ["model.calib_tokens=4096", "model.calib_seq_len=32", "data.seq_len=32", "data.eval_tokens=64",
+        "generated.tokens=1024", "generated.length=32", "generated.batch_size=16", "train.steps=2",
+        "train.batch_size=8", "train.micro_batch_size=2", "train.eval_every=0", "train.checkpoint_every=0",
+        "local.batch_tokens=256"]
+
+
+def test_the_llama_recipe_runs_its_first_steps_on_cpu_processes_with_its_datasets_fetched_once(hub, tmp_path):
+    """recipes/llama-3.2-1b.yaml as written (its sources, datasets, columns, layer fit, sampled text), the model and
+    the datasets tiny stand-ins served under their real names: planned, then run as two processes, whose first
+    downloads each file once while the other waits."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    save_dense(tmp_path / "llama")
+    hub.repos["meta-llama/Llama-3.2-1B"] = {"main": tmp_path / "llama"}
+    web = tmp_path / "fineweb-edu"
+    for i in range(3):
+        _parquet(web / f"sample/10BT/00{i}_00000.parquet", [markov_text(60, 10 * i + d) for d in range(40)])
+    hub.repos["datasets/HuggingFaceFW/fineweb-edu"] = {"main": web}
+    (tmp_path / "c4" / "en").mkdir(parents=True)
+    with gzip.open(tmp_path / "c4" / "en" / "c4-validation.00000-of-00008.json.gz", "wt") as f:
+        f.writelines(json.dumps({"text": markov_text(40, 500 + d), "url": "u"}) + "\n" for d in range(20))
+    hub.repos["datasets/allenai/c4"] = {"main": tmp_path / "c4"}
+    _parquet(tmp_path / "wikitext" / "wikitext-103-raw-v1" / "test-00000-of-00001.parquet",
+             [markov_text(40, 600 + d) for d in range(20)])
+    hub.repos["datasets/Salesforce/wikitext"] = {"main": tmp_path / "wikitext"}
+    recipe = root / "recipes" / "llama-3.2-1b.yaml"
+    sets = [w for o in TINY for w in ("--set", o)]
+
+    plan = run("train", recipe, "--output", tmp_path / "run", "--plan", "--quiet", *sets)
+    assert plan.exit_code == 0, plan.output
+    assert "hf:HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet: HuggingFaceFW/fineweb-edu at commit" in plan.output
+    data = ["sample/10BT/000_00000.parquet", "en/c4-validation.00000-of-00008.json.gz",
+            "wikitext-103-raw-v1/test-00000-of-00001.parquet"]
+    assert "1 of 3 files" in plan.output and not full_downloads(hub) & set(data)  # samples only, by range requests
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "HF_ENDPOINT": hub.url,
+           "HF_HUB_CACHE": huggingface_hub.constants.HF_HUB_CACHE, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "stem_upcycle.cli",
+               "train", str(recipe), "--output", str(tmp_path / "run"), "--quiet", *sets]
+    hub.requests.clear()
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    downloads = [r.path.rsplit("/resolve/", 1)[1].split("/", 1)[1] for r in hub.downloads() if "Range" not in r.headers]
+    assert sorted(d for d in downloads if d in data) == sorted(data)  # each once: the second process read the cache
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert [d["dataset"] for d in config["stem_training_data"]] == ["HuggingFaceFW/fineweb-edu", "allenai/c4",
+                                                                     "Salesforce/wikitext"]
+    assert config["stem_table_columns"]  # a share of every layer's neurons, as the recipe says

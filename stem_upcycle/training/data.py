@@ -211,7 +211,7 @@ def heldout_paths(recipe, datasets: dict[str, Resolved] | None = None) -> list[P
 
 
 def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: None, run: str = "",
-              datasets: dict[str, Resolved] | None = None
+              datasets: dict[str, Resolved] | None = None, progress: bool = False
               ) -> tuple["Sequences | list[Sequences] | None", dict[str, torch.Tensor]]:
     """(training-text sequences, a list of them for a weighted data.train, or None; {held-out set: [n, seq_len + 1]
     ids}). Every process calls this: each tokenises its share of what is not cached yet (`wait`: a barrier across
@@ -222,7 +222,7 @@ def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: Non
     root = cache_root(d.cache_dir, "tokens")
 
     def stream(files):
-        return tokenize_corpus(files, tokenizer, d.text_field, root, rank, world, wait, run=run)
+        return tokenize_corpus(files, tokenizer, d.text_field, root, rank, world, wait, run=run, progress=progress)
 
     def training(entries: list[str], what: str) -> Sequences:
         files = [f for f in expand_files(entries, what, datasets) if f not in heldout]  # held out: never trained on

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -86,14 +87,15 @@ class TokenFile:
 
 
 def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, rank: int = 0, world: int = 1,
-                    wait=lambda: None, piece_bytes: int = PIECE_BYTES, run: str = "") -> TokenFile:
+                    wait=lambda: None, piece_bytes: int = PIECE_BYTES, run: str = "", progress: bool = False
+                    ) -> TokenFile:
     """The corpus's token stream, tokenised now (this process's share of the pieces) unless cached in `root`.
 
     Every process of a run calls this with the same arguments; `wait` is a barrier across them. `run` names
     the run, the same in all its processes (needed with several; one process: its own): runs that tokenise
     the same corpus at once write their parts into folders of their own and each publishes the same
     tokens.bin atomically. Whether this run tokenises is decided once, by its rank 0, so that its processes
-    agree even when another run publishes the corpus meanwhile."""
+    agree even when another run publishes the corpus meanwhile. `progress`: a bar of this process's pieces."""
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no EOS token to put between documents")
     if world > 1 and not run:
@@ -111,7 +113,7 @@ def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, r
     if todo:  # each process encodes pieces rank, rank + world, ... into its own part file
         failed = staging / f"part-{rank}.error"
         try:
-            _encode_share(files, tokenizer, text_field, piece_bytes, rank, world, staging)
+            _encode_share(files, tokenizer, text_field, piece_bytes, rank, world, staging, progress)
         except DataError as err:  # told to every process after the barrier, so that none waits for this one
             failed.write_text(str(err))
     wait()
@@ -123,16 +125,22 @@ def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, r
     return TokenFile(folder)
 
 
-def _encode_share(files, tokenizer, text_field: str, piece_bytes: int, rank: int, world: int, staging: Path) -> None:
+def _encode_share(files, tokenizer, text_field: str, piece_bytes: int, rank: int, world: int, staging: Path,
+                  progress: bool = False) -> None:
+    from tqdm.auto import tqdm
+
     pieces = plan_pieces(files, piece_bytes)
     mine = list(range(rank, len(pieces), world))
     counts = []
-    with (staging / f"part-{rank}.bin").open("wb") as part:
+    bar = tqdm(total=len(mine), desc=f"tokenising {len(files)} file(s)", unit="piece", disable=not progress,
+               file=sys.stderr)
+    with (staging / f"part-{rank}.bin").open("wb") as part, bar:
         for at in range(0, len(mine), BATCH_PIECES):
             batch = [pieces[i] for i in mine[at : at + BATCH_PIECES]]
             for ids in _encode(batch, tokenizer, text_field, tokenizer.eos_token_id):
                 part.write(ids.astype(token_dtype(tokenizer)).tobytes())
                 counts.append(int(ids.size))
+            bar.update(len(batch))
     (staging / f"part-{rank}.json").write_text(json.dumps(counts))
 
 

@@ -144,7 +144,8 @@ class Trainer:
             self.covered[calibrated] = True
         self.tokenizer = load_tokenizer(init)
         train_text, self.heldout = load_data(recipe, self.tokenizer, acc.process_index, acc.num_processes,
-                                             acc.wait_for_everyone, run=self.run_key, datasets=self.datasets)
+                                             acc.wait_for_everyone, run=self.run_key, datasets=self.datasets,
+                                             progress=self.progress and acc.is_main_process)
         generated = None if self.generated is None else pack_ids(self.generated, self.tokenizer, recipe.data.seq_len)
         self.batches = MixedBatches(train_text, generated, t.batch_size, recipe.generated.train_share, t.seed,
                                     recipe.data.train_weights())
