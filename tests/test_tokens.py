@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from stem_upcycle.training.tokens import DataError, Sequences, plan_pieces, tokenize_corpus
+from stem_upcycle.training.tokens import BATCH_PIECES, DataError, Sequences, plan_pieces, tokenize_corpus
 
 from .conftest import VOCAB, save_tiny_tokenizer
 
@@ -84,13 +84,21 @@ def test_processes_share_the_tokenising_and_the_cache_is_reused(corpus, monkeypa
     assert {"rank0", "rank1"} <= set(calls)  # both processes encoded pieces
     for rank in range(2):
         assert torch.equal(results[rank].read(0, len(results[rank])), expected)
-    folder = results[0].folder
-    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]  # the parts are gone
+    folders = results[0].folders
+    for folder in folders:  # a folder a file
+        assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "tokens.bin"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(f.name for f in folders)  # no parts left
     calls.clear()
     again = tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", piece_bytes=500)
-    assert calls == [] and again.folder == folder  # read back, not tokenised again
-    (tmp_path / "big.txt").write_text(_words(100, 1))  # a changed file is a new corpus
-    assert tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", piece_bytes=500).folder != folder
+    assert calls == [] and again.folders == folders  # read back, not tokenised again
+    (tmp_path / "big.txt").write_text(_words(100, 1))  # a changed file is tokenised again, the other read back
+    changed = tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", piece_bytes=500)
+    assert changed.folders[0] != folders[0] and changed.folders[1] == folders[1]
+    assert len(calls) == -(-len(plan_pieces([tmp_path / "big.txt"], 500)) // BATCH_PIECES)  # its pieces' batches only
+    grown = tokenize_corpus([*files, tmp_path / "a.jsonl"], tokenizer, "text", tmp_path / "cache", piece_bytes=500)
+    assert grown.folders[:2] == changed.folders  # a corpus that grows by a file tokenises that file alone
+    assert torch.equal(grown.read(0, len(grown)),
+                       _expected(tmp_path, tokenizer, ["big.txt", "big.jsonl", "a.jsonl"]))
 
 
 def test_sequences_cut_the_stream_with_one_shared_token(corpus):

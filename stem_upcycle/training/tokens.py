@@ -1,15 +1,18 @@
 """Training text as token ids on disk: tokenised once, in parallel, then read a sequence at a time.
 
-A corpus (.txt, .jsonl and .parquet files, see documents.py) is cut into pieces. Processes take
-the pieces in turns (piece i on process i % world); each encodes its pieces a batch at a time with the fast tokenizer, whose Rust
-thread pool encodes the pieces of a batch in parallel, and appends the ids to a part file of its
-own. The main process then joins the parts, in piece order, into one flat file of uint16 ids
-(uint32 for vocabularies over 65,536) with EOS after every document, and writes `meta.json` last:
-a cache folder is complete only once that exists. The folder's name is a digest of the files
-(path, size, modification time), the text field, the tokenizer's vocabulary and this format, so a
-later run, the dense baseline on the same data, and every process of this run read the same file.
-Runs that tokenise the same corpus at once (two jobs on one machine) encode into part folders of
-their own and each publishes the same two files by an atomic rename.
+A corpus (.txt, .jsonl, .parquet files and their .gz forms, see documents.py) is cached file by file:
+each file's tokens in a folder of their own, so that a corpus that grows by a file (a Hub dataset
+read further, hub_datasets.py) tokenises that file alone. The files not cached yet are cut into
+pieces. Processes take the pieces in turns (piece i on process i % world); each encodes its pieces a
+batch at a time with the fast tokenizer, whose Rust thread pool encodes the pieces of a batch in
+parallel, and appends the ids to a part file of its own. The main process then joins the parts, in
+piece order, into each file's flat file of uint16 ids (uint32 for vocabularies over 65,536) with EOS
+after every document, and writes its `meta.json` last: a cache folder is complete only once that
+exists. A folder's name is a digest of its file (path, size, modification time), the text field, the
+tokenizer's vocabulary and this format, so a later run, the dense baseline on the same data, and
+every process of this run read the same file. The corpus is the files' streams one after another
+(`TokenStream`). Runs that tokenise the same files at once (two jobs on one machine) encode into part
+folders of their own and each publishes the same two files by an atomic rename.
 
 Reads go through `os.pread` of the sequences a step needs: nothing is mapped and no process ever
 holds the corpus, so a process's memory does not grow with it.
@@ -38,7 +41,7 @@ from ..atomic import staged_file
 from ..documents import PIECE_BYTES, DataError, Piece, documents_of, plan_pieces
 
 BATCH_PIECES = 2 * (os.cpu_count() or 1)  # pieces encoded at once, in parallel by the tokenizer's thread pool
-FORMAT = 1  # bump when the file layout or the piece rule changes: old caches are then ignored
+FORMAT = 2  # bump when the file layout or the piece rule changes: old caches are then ignored
 
 
 def _encode(pieces: list[Piece], tokenizer, text_field: str, eos: int) -> list[np.ndarray]:
@@ -86,50 +89,81 @@ class TokenFile:
             os.close(self._fd)
 
 
+class TokenStream:
+    """The token streams of a corpus's files one after another, as one."""
+
+    def __init__(self, files: list[TokenFile]):
+        self.files = files
+        self.starts = np.cumsum([0] + [len(f) for f in files])
+        self.dtype = files[0].dtype if files else np.dtype(np.uint16)
+
+    @property
+    def folders(self) -> list[Path]:
+        return [f.folder for f in self.files]
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, count: int) -> torch.Tensor:
+        """[count] int64 ids from token `start`, across files where it crosses one's end."""
+        parts, at, stop = [], start, start + count
+        while at < stop:
+            k = int(np.searchsorted(self.starts, at, side="right")) - 1
+            take = min(stop, int(self.starts[k + 1])) - at
+            parts.append(self.files[k].read(at - int(self.starts[k]), take))
+            at += take
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def tokenize_corpus(files: list[Path], tokenizer, text_field: str, root: Path, rank: int = 0, world: int = 1,
                     wait=lambda: None, piece_bytes: int = PIECE_BYTES, run: str = "", progress: bool = False
-                    ) -> TokenFile:
-    """The corpus's token stream, tokenised now (this process's share of the pieces) unless cached in `root`.
+                    ) -> TokenStream:
+    """The corpus's token stream: each file's, tokenised now (this process's share of the pieces of the files not
+    cached in `root` yet) or read from the cache, where each file has a folder of its own. A corpus that grows by
+    a file (a Hub dataset read further) tokenises that file alone.
 
     Every process of a run calls this with the same arguments; `wait` is a barrier across them. `run` names
     the run, the same in all its processes (needed with several; one process: its own): runs that tokenise
-    the same corpus at once write their parts into folders of their own and each publishes the same
-    tokens.bin atomically. Whether this run tokenises is decided once, by its rank 0, so that its processes
-    agree even when another run publishes the corpus meanwhile. `progress`: a bar of this process's pieces."""
+    the same files at once write their parts into folders of their own and each publishes the same
+    tokens.bin atomically. Which files this run tokenises is decided once, by its rank 0, so that its processes
+    agree even when another run publishes a file meanwhile. `progress`: a bar of this process's pieces."""
     if tokenizer.eos_token_id is None:
         raise DataError("the tokenizer has no EOS token to put between documents")
     if world > 1 and not run:
         raise ValueError("several processes tokenise into one folder: give them the same `run`")
-    folder = root / cache_key(files, tokenizer, text_field, piece_bytes)
-    staging = folder / f"parts-{run or os.getpid()}-of-{world}"
-    decided = staging / "tokenise"  # made by rank 0 when the corpus is not cached yet
+    folders = [root / cache_key([f], tokenizer, text_field, piece_bytes) for f in files]
+    staging = root / f"parts-{cache_key(files, tokenizer, text_field, piece_bytes)}-{run or os.getpid()}-of-{world}"
+    decided = staging / "tokenise.json"  # written by rank 0: the files not cached yet
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)  # a killed run's parts
-        if not (folder / "meta.json").exists():
+        if missing := [i for i, folder in enumerate(folders) if not (folder / "meta.json").exists()]:
             staging.mkdir(parents=True)
-            decided.touch()
+            decided.write_text(json.dumps(missing))
     wait()
-    todo = decided.exists()
+    todo = json.loads(decided.read_text()) if decided.exists() else []
     if todo:  # each process encodes pieces rank, rank + world, ... into its own part file
         failed = staging / f"part-{rank}.error"
         try:
-            _encode_share(files, tokenizer, text_field, piece_bytes, rank, world, staging, progress)
+            _encode_share([files[i] for i in todo], tokenizer, text_field, piece_bytes, rank, world, staging, progress)
         except DataError as err:  # told to every process after the barrier, so that none waits for this one
             failed.write_text(str(err))
     wait()
     if todo and (errors := sorted(staging.glob("part-*.error"))):
         raise DataError(errors[0].read_text())
     if todo and rank == 0:
-        _join(folder, staging, world, token_dtype(tokenizer))
+        _join([folders[i] for i in todo], staging, world, token_dtype(tokenizer))
+        shutil.rmtree(staging, ignore_errors=True)
     wait()
-    return TokenFile(folder)
+    return TokenStream([TokenFile(folder) for folder in folders])
 
 
 def _encode_share(files, tokenizer, text_field: str, piece_bytes: int, rank: int, world: int, staging: Path,
                   progress: bool = False) -> None:
+    """This process's pieces of `files` into part-RANK.bin; part-RANK.json: each piece's [file, tokens]."""
     from tqdm.auto import tqdm
 
     pieces = plan_pieces(files, piece_bytes)
+    which = {path: k for k, path in enumerate(files)}
     mine = list(range(rank, len(pieces), world))
     counts = []
     bar = tqdm(total=len(mine), desc=f"tokenising {len(files)} file(s)", unit="piece", disable=not progress,
@@ -137,31 +171,35 @@ def _encode_share(files, tokenizer, text_field: str, piece_bytes: int, rank: int
     with (staging / f"part-{rank}.bin").open("wb") as part, bar:
         for at in range(0, len(mine), BATCH_PIECES):
             batch = [pieces[i] for i in mine[at : at + BATCH_PIECES]]
-            for ids in _encode(batch, tokenizer, text_field, tokenizer.eos_token_id):
+            for piece, ids in zip(batch, _encode(batch, tokenizer, text_field, tokenizer.eos_token_id)):
                 part.write(ids.astype(token_dtype(tokenizer)).tobytes())
-                counts.append(int(ids.size))
+                counts.append([which[piece.path], int(ids.size)])
             bar.update(len(batch))
     (staging / f"part-{rank}.json").write_text(json.dumps(counts))
 
 
-def _join(folder: Path, staging: Path, world: int, dtype: np.dtype) -> None:
-    """tokens.bin = the parts' pieces in piece order (piece i is the (i // world)-th of part i % world)."""
+def _join(folders: list[Path], staging: Path, world: int, dtype: np.dtype) -> None:
+    """Each file's tokens.bin: its pieces from the parts in piece order (piece i is the (i // world)-th of part
+    i % world; a file's pieces are consecutive), then its meta.json, which makes its folder complete."""
     if missing := [r for r in range(world) if not (staging / f"part-{r}.json").exists()]:
         raise DataError(f"the token parts of processes {missing} are not in {staging}: processes on other machines "
                         f"wrote them elsewhere; several machines need data.cache_dir (and generated.cache_dir) on "
                         f"a file system they all share")
     counts = [json.loads((staging / f"part-{r}.json").read_text()) for r in range(world)]
+    order = [counts[i % world][i // world] for i in range(sum(map(len, counts)))]  # [file, tokens] by piece
     parts = [(staging / f"part-{r}.bin").open("rb") for r in range(world)]
-    total = sum(map(sum, counts))
-    with staged_file(folder / "tokens.bin") as partial, partial.open("wb") as out:
-        for i in range(sum(map(len, counts))):
-            r = i % world
-            out.write(parts[r].read(counts[r][i // world] * dtype.itemsize))
+    for k, folder in enumerate(folders):
+        folder.mkdir(parents=True, exist_ok=True)
+        total = 0
+        with staged_file(folder / "tokens.bin") as partial, partial.open("wb") as out:
+            for i, (file, tokens) in enumerate(order):
+                if file == k:
+                    out.write(parts[i % world].read(tokens * dtype.itemsize))
+                    total += tokens
+        with staged_file(folder / "meta.json") as partial:  # another run may read it while this one publishes
+            partial.write_text(json.dumps({"tokens": total, "dtype": dtype.name, "format": FORMAT}) + "\n")
     for f in parts:
         f.close()
-    with staged_file(folder / "meta.json") as partial:  # another run may read it while this one publishes
-        partial.write_text(json.dumps({"tokens": total, "dtype": dtype.name, "format": FORMAT}) + "\n")
-    shutil.rmtree(staging, ignore_errors=True)
 
 
 def token_dtype(tokenizer) -> np.dtype:
