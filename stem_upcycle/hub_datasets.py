@@ -118,8 +118,7 @@ def resolve(spec: DatasetSpec, need: int, tokenizer, text_field: str, token: str
         return Resolved(spec, pinned["revision"], files, pinned["matching"], pinned["matching_bytes"],
                         pinned["tokens_per_byte"], need)
     (commit, listing), listing_record = _listing(spec, token), _listing_record(spec)
-    matching = sorted((name, size) for name, size in listing.items()
-                      if is_data_file(name) and (not spec.glob or fnmatch.fnmatchcase(name, spec.glob)))
+    matching = sorted((name, size) for name, size in listing.items() if is_data_file(name) and _matches(name, spec.glob))
     if not matching:
         data = sorted(name for name in listing if is_data_file(name))
         example = (f"; its data files are e.g. {', '.join(data[:3])}" if data else
@@ -134,6 +133,14 @@ def resolve(spec: DatasetSpec, need: int, tokenizer, text_field: str, token: str
             break
     return Resolved(spec, commit, matching[:taken], len(matching), sum(size for _, size in matching), ratio, need,
                     [listing_record, ratio_record])
+
+
+def _matches(name: str, glob: str) -> bool:
+    """Whether the glob takes the file `name`: fnmatch's match (`*` crosses folders), or a folder named without a
+    wildcard holds it."""
+    if not glob or fnmatch.fnmatchcase(name, glob):
+        return True
+    return not any(c in glob for c in "*?[") and name.startswith(glob.rstrip("/") + "/")
 
 
 def download(resolved: Resolved, token: str | None, progress: bool) -> list[Path]:
@@ -232,8 +239,9 @@ def _tokens_per_byte(spec: DatasetSpec, commit: str, first: tuple[str, int], tok
                         f"in the Hugging Face cache: run once online")
     else:
         with _one_line_errors(spec.repo, spec.hub(token, False), "dataset"):
-            with HfFileSystem(token=token).open(f"datasets/{spec.repo}@{commit}/{name}", "rb",
-                                                block_size=SAMPLE_BYTES) as f:
+            # a new instance: fsspec's cache of them would keep one with an earlier endpoint and listing
+            fs = HfFileSystem(endpoint=constants.ENDPOINT, token=token, skip_instance_cache=True)
+            with fs.open(f"datasets/{spec.repo}@{commit}/{name}", "rb", block_size=SAMPLE_BYTES) as f:
                 documents, disk = sample_documents(f, name, text_field, where)
     ids = tokenizer(documents, add_special_tokens=False, return_attention_mask=False)["input_ids"] if documents else []
     tokens = sum(map(len, ids)) + len(ids)  # and an EOS after each document

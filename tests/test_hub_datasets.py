@@ -123,6 +123,8 @@ def test_jsonl_gz_files_are_read_as_json_lines_and_a_missing_field_names_those_t
     recipe = load_recipe(_recipe(tmp_path, [spec]), ["data.text_field=content"])
     datasets = fetch_datasets(recipe, tokenizer, progress=False)
     assert [p.name for p in datasets[spec].paths] == ["part-0.json.gz"]
+    folder = resolve_datasets(load_recipe(_recipe(tmp_path, [spec + "/data"]), ["data.text_field=content"]), tokenizer)
+    assert [name for name, _ in folder[spec + "/data"].files] == ["data/part-0.json.gz"]  # a folder named, no wildcard
     from stem_upcycle.training.data import load_data
 
     train, _ = load_data(recipe, tokenizer, datasets=datasets)
