@@ -34,12 +34,12 @@ def parse_sets(specs: list[str]) -> dict[str, list[str]]:
     return sets
 
 
-def read_token_ids(files: list[str], tokenizer, max_tokens: int | None) -> torch.Tensor:
-    """[n] ids of the files' documents (.txt, .jsonl records, .parquet rows) joined by blank lines, at most
-    `max_tokens`: only as much text is read as that many tokens can take (16 characters a token)."""
+def read_token_ids(files: list[str], tokenizer, max_tokens: int | None, text_field: str = "text") -> torch.Tensor:
+    """[n] ids of the files' documents (.txt, .jsonl records, .parquet rows: their `text_field`) joined by blank
+    lines, at most `max_tokens`: only as much text is read as that many tokens can take (16 characters a token)."""
     budget = 16 * max_tokens if max_tokens else None
     texts, chars = [], 0
-    for document in read_documents([Path(f) for f in files], max_chars=budget):
+    for document in read_documents([Path(f) for f in files], text_field, max_chars=budget):
         texts.append(document)
         chars += len(document) + 2
         if budget and chars >= budget:

@@ -130,6 +130,11 @@ def test_jsonl_gz_files_are_read_as_json_lines_and_a_missing_field_names_those_t
     train, _ = load_data(recipe, tokenizer, datasets=datasets)
     first = train.stream.read(0, 51).tolist()
     assert first == tokenizer(markov_text(50, 0), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # the calibration reads the records' field too
+    calibrated = ["--set", "data.text_field=content", "--set", "model.init=calib", "--set", "model.calib_tokens=1024",
+                  "--set", "model.calib_seq_len=32", "--set", "model.parent_contexts=1"]
+    result = run("train", _recipe(tmp_path, [spec]), "--output", tmp_path / "calibrated", "--quiet", *calibrated)
+    assert result.exit_code == 0, result.output
 
 
 @pytest.mark.parametrize("case", ["gated", "no-match", "no-match-in-folder", "missing-repo", "missing-revision", "offline-empty", "disk",

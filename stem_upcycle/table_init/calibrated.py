@@ -86,7 +86,7 @@ def calibration_windows(source, options: InitOptions) -> torch.Tensor:
     if groups and text_budget != 0:
         tokenizer = load_tokenizer(source, CALIBRATION_NEEDS_TOKENIZER)
         share = None if text_budget is None else max(1, text_budget // len(groups))
-        parts[:0] = [read_token_ids(group, tokenizer, share) for group in groups]
+        parts[:0] = [read_token_ids(group, tokenizer, share, options.text_field) for group in groups]
     ids = torch.cat(parts)
     if ids.numel() < seq_len:
         raise CalibrationError(f"the calibration text has {ids.numel()} tokens, fewer than --calib-seq-len {seq_len}")
@@ -189,7 +189,8 @@ class CalibratedInit(ClosedFormInit):
         )
         if options.heldout_data:  # how much of the text to be scored has calibrated rows
             tokenizer = load_tokenizer(self.source)
-            shares = {name: torch.isin(read_token_ids(files, tokenizer, None), self.seen).float().mean().item()
+            shares = {name: torch.isin(read_token_ids(files, tokenizer, options.heldout_tokens,
+                                                        options.text_field), self.seen).float().mean().item()
                       for name, files in options.heldout_data.items()}
             print("calibrated rows cover " + ", ".join(f"{share:.1%} of {name}" for name, share in shares.items())
                   + " (held-out tokens)", file=sys.stderr)

@@ -56,8 +56,10 @@ class InitOptions:
     calib_data: list = field(default_factory=list)  # the user's text: files, or lists of files (a genre each), each an equal share
     calib_tokens: int | None = None  # at most this many calibration tokens (generated ones included); None: all
     calib_seq_len: int = 512  # tokens per calibration window
+    text_field: str = "text"  # the field of a .jsonl record or column of a .parquet file that holds the document
     calib_generated: torch.Tensor | None = None  # a token stream sampled from the dense model itself (generate.py)
     heldout_data: dict[str, list[str]] | None = None  # {set: files} never calibrated on; their coverage is reported
+    heldout_tokens: int | None = None  # of each held-out set's first tokens (None: all; a Hub file may hold 100M)
     dense_model: Any = None  # the dense model already loaded (e.g. a teacher on a GPU); else loaded when needed
     shard: tuple[int, int, Reduce] | None = None  # (rank, world, reduce): this process calibrates every world-th window
     calibration: Any = None  # a calibration of every layer made already (by --layers auto), reused as it is

@@ -75,7 +75,9 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
     calib = [group for group in ([str(f) for f in expand_files([pattern], "model.calib_data", datasets)
                                   if f not in heldout] for pattern in patterns) if group]
     options = InitOptions(calib_data=calib, calib_tokens=m.calib_tokens, calib_seq_len=m.calib_seq_len,
+                          text_field=recipe.data.text_field,
                           heldout_data={name: [str(f) for f in fs] for name, fs in eval_files(recipe, datasets).items()},
+                          heldout_tokens=recipe.data.eval_tokens,  # what each evaluation scores
                           dense_model=teacher,  # held-out text is never calibrated on either
                           fit=FitOptions(**dataclasses.asdict(recipe.local)),
                           parent=ParentRowOptions(contexts=m.parent_contexts), shrink=m.shrink, fact_weight=m.fact_weight)
