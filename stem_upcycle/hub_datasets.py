@@ -85,8 +85,9 @@ class Resolved:
     def estimated_tokens(self) -> int:
         return round(sum(size for _, size in self.files) * self.tokens_per_byte)
 
-    def describe(self, token_bytes: int) -> list[str]:
-        """The plan's lines: which files, their size, what is still to download, the token cache."""
+    def describe(self, token_bytes: int | None) -> list[str]:
+        """The plan's lines: which files, their size, what is still to download, the token cache (`token_bytes` an
+        id; None: no cache, as a conversion's calibration reads the files)."""
         taken = sum(size for _, size in self.files)
         pending = sum(size for _, size in self.pending)
         names = [name for name, _ in self.files]
@@ -94,8 +95,8 @@ class Resolved:
         return [f"  {self.spec.text}: {self.spec.repo} at commit {self.commit[:12]}, {len(self.files)} of "
                 f"{self.matching} files ({taken / GB:.2f} of {self.matching_bytes / GB:.2f} GB): {shown}",
                 f"    ~{self.estimated_tokens:,} tokens ({self.tokens_per_byte:.3f} tokens/byte, measured on the first "
-                f"file) for {self.need:,} read x {MARGIN}; to download {pending / GB:.2f} GB; token cache "
-                f"{self.estimated_tokens * token_bytes / GB:.2f} GB",
+                f"file) for {self.need:,} read x {MARGIN}; to download {pending / GB:.2f} GB"
+                + (f"; token cache {self.estimated_tokens * token_bytes / GB:.2f} GB" if token_bytes else ""),
                 f"    recorded in {self.records[0].parent}" if self.records else ""]
 
     def record(self) -> dict:

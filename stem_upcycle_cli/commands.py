@@ -59,6 +59,25 @@ def _fail_cleanly(fn):
 
 # Numeric options, declared with their ranges: a bad value is click's one-line usage error.
 COUNT = click.IntRange(min=1)
+
+
+class TextSource(click.ParamType):
+    """A text file that exists, or a Hub dataset `hf:ORG/NAME[/GLOB][@REVISION]` (fetched as far as it is read)."""
+
+    name = "FILE|hf:ORG/NAME[/GLOB]"
+
+    def convert(self, value, param, ctx):
+        if str(value).startswith("hf:"):
+            from stem_upcycle.hub_datasets import SPEC
+
+            if not SPEC.fullmatch(value):
+                self.fail(f"{value!r} must look like hf:ORG/NAME, hf:ORG/NAME/GLOB or hf:ORG/NAME/GLOB@REVISION",
+                          param, ctx)
+            return value
+        return click.Path(exists=True, dir_okay=False).convert(value, param, ctx)
+
+
+TEXT_SOURCE = TextSource()
 WINDOW = click.IntRange(min=2)  # a window scores (or calibrates) its tokens after the first
 
 _BLOCKS = ", ".join(f"{name} {block}" for name, block in TABLE_BLOCKS.items())
@@ -146,8 +165,10 @@ def main():
               help="How the tables are initialised: calib, each token's up-projection averaged over calibration text "
                    "and read by SOURCE after contexts of it (--parent-contexts); calib-mean, a plain mean; "
                    "closed-form, from the weights alone (no text; breaks a model until it is trained).")
-@click.option("--calib-data", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="Plain-text calibration file for --init calib / calib-mean; repeat for several (each an equal share).")
+@click.option("--calib-data", multiple=True, type=TEXT_SOURCE,
+              help="Calibration text for --init calib / calib-mean: a .txt, .jsonl(.gz) or .parquet file, or a Hub "
+                   "dataset hf:ORG/NAME[/GLOB][@REVISION] (only the files its share of the tokens needs are "
+                   "downloaded); repeat for several (each an equal share).")
 @click.option("--calib-tokens", default=131072, show_default=True, type=COUNT, help="Calibration tokens in all, at most.")
 @click.option("--calib-generate", default=None, type=click.IntRange(min=0), metavar="TOKENS",
               show_default=f"{DEFAULT_GENERATED} without --calib-data, else 0",
@@ -249,6 +270,9 @@ def convert(source, out, layers, columns, fact_weight, init, calib_data, calib_t
 
     src = checked(open_source(source, _hub(revision, token, trust_remote_code, quiet), weights=not dry_run,
                               before_weights=before_weights))
+    if any(entry.startswith("hf:") for entry in calib_data):  # each dataset as far as its share of the text
+        options.calib_data = _calibration_datasets(list(calib_data), calib_tokens - calib_generate, src, token,
+                                                   dry_run, quiet)
     reads_text = INITIALISERS[init].needs_data or is_auto(layers) or columns != ALL_COLUMNS or calib_generate
     if reads_text and not dry_run:  # the dense model, loaded once, where it reads (and writes) text
         options.dense_model = model_from_source(src).to(device)
@@ -578,6 +602,25 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
         if ref is not None:
             results["reference_facts"] = score_facts(ref, tokenizer, facts)
     click.echo(json.dumps(results) if as_json else ev.describe(results, model, reference))
+
+
+def _calibration_datasets(entries: list[str], text_tokens: int, source, token, dry_run: bool, quiet: bool) -> list:
+    """`--calib-data` with its Hub datasets resolved (printed) and, unless a dry run, downloaded: a dataset becomes the
+    list of its files that cover its share of the calibration text (a genre)."""
+    from stem_upcycle.hub import check_disk, download_need
+    from stem_upcycle.hub_datasets import DatasetSpec, download, resolve
+    from stem_upcycle.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    share = max(1, text_tokens) // len(entries)
+    resolved = {entry: resolve(DatasetSpec.parse(entry, "--calib-data"), share, tokenizer, "text", token)
+                for entry in entries if entry.startswith("hf:")}
+    for r in resolved.values():
+        click.echo("\n".join(r.describe(None)[:2]))
+    if dry_run:
+        return entries
+    check_disk([download_need(sum(size for r in resolved.values() for _, size in r.pending))])
+    return [[str(p) for p in download(resolved[e], token, not quiet)] if e in resolved else e for e in entries]
 
 
 def _planned_datasets(recipe, source, token):

@@ -307,3 +307,20 @@ def test_the_llama_recipe_runs_its_first_steps_on_cpu_processes_with_its_dataset
     assert [d["dataset"] for d in config["stem_training_data"]] == ["HuggingFaceFW/fineweb-edu", "allenai/c4",
                                                                      "Salesforce/wikitext"]
     assert config["stem_table_columns"]  # a share of every layer's neurons, as the recipe says
+
+
+def test_convert_calibrates_on_a_dataset_fetched_as_far_as_its_share(hub, dataset, dense, tmp_path):
+    hub.repos[f"datasets/{DATASET}"] = {"main": dataset}
+    spec = f"hf:{DATASET}/sample/10BT/*.parquet"
+    common = ["--layers", "0,2", "--columns", "all", "--calib-tokens", "2048", "--calib-seq-len", "32",
+              "--parent-contexts", "1", "--quiet"]
+    dry = run("convert", dense, tmp_path / "out", "--calib-data", spec, "--dry-run", *common)
+    assert dry.exit_code == 0 and f"{spec}: {DATASET} at commit" in dry.output and "1 of 4 files" in dry.output, dry.output
+    assert not full_downloads(hub) & set(SHARDS)
+    result = run("convert", dense, tmp_path / "out", "--calib-data", spec, *common)
+    assert result.exit_code == 0, result.output
+    assert full_downloads(hub) == {SHARDS[0]}
+    assert f"--calib-data '{spec}'" in (tmp_path / "out" / "README.md").read_text()  # the command as run
+    refused = run("convert", dense, tmp_path / "other", "--calib-data", "hf:nothing", *common)
+    assert refused.exit_code == 2 and "Invalid value for '--calib-data': 'hf:nothing' must look like hf:ORG/NAME" \
+        in refused.output and not (tmp_path / "other").exists()
