@@ -12,6 +12,7 @@ byte-level BPE pre-tokenisers split anyway), or a parquet file's row groups.
 import gzip
 import json
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -49,7 +50,7 @@ _open_gzip: dict[tuple, gzip.GzipFile] = {}  # the one .gz file read now: pieces
 def _open(path: Path):
     """`path`'s (decompressed) bytes, seekable. A .gz file's handle stays open for the next piece: GzipFile seeks
     forward by decompressing, so reading its pieces in order decompresses it once."""
-    if not path.name.endswith(".gz"):
+    if not _gzipped(path):
         return path.open("rb")
     stat = path.stat()
     key = (path, stat.st_size, stat.st_mtime_ns)  # a file rewritten since is opened again
@@ -74,9 +75,13 @@ class _Kept:
         return False
 
 
+def _gzipped(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")
+
+
 def _size(path: Path) -> int:
     """Bytes of `path` as read (a .gz file: decompressed, counted by reading it once)."""
-    if not path.name.endswith(".gz"):
+    if not _gzipped(path):
         return path.stat().st_size
     with _open(path) as f:
         f.seek(0)
@@ -84,7 +89,7 @@ def _size(path: Path) -> int:
         try:
             while chunk := f.read(1 << 24):
                 size += len(chunk)
-        except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+        except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError; bad data a zlib.error
             raise DataError(f"{path} is not a readable gzip file ({err}); check the file") from None
         return size
 
@@ -201,7 +206,7 @@ def read_documents(files: list[Path], text_field: str = "text", max_chars: int |
             for piece in plan_pieces([path]):
                 yield from documents_of(piece, text_field)
         else:
-            gz = path.name.endswith(".gz")
+            gz = _gzipped(path)
             with (gzip.open if gz else open)(path, "rt", encoding="utf-8", errors="replace") as f:
                 # at most the file's size (characters <= bytes): read(n) reserves n characters up front
                 yield f.read(max_chars if gz else min(max_chars, path.stat().st_size)) if max_chars else f.read()

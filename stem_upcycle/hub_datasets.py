@@ -17,10 +17,10 @@ name a newer one with @REVISION, or delete the record (`train --plan` prints whe
 """
 
 import fnmatch
-import gzip
 import hashlib
 import json
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -85,6 +85,14 @@ class Resolved:
     def estimated_tokens(self) -> int:
         return round(sum(size for _, size in self.files) * self.tokens_per_byte)
 
+    @property
+    def short(self) -> str:
+        """What a dataset too small for the run says: "" when its files cover the need."""
+        if len(self.files) < self.matching or self.estimated_tokens >= self.need or not self.tokens_per_byte:
+            return ""
+        return (f"{self.spec.text} holds ~{self.estimated_tokens:,} tokens in all {self.matching} files, for "
+                f"{self.need:,} read: the steps read its sequences more than once")
+
     def describe(self, token_bytes: int | None) -> list[str]:
         """The plan's lines: which files, their size, what is still to download, the token cache (`token_bytes` an
         id; None: no cache, as a conversion's calibration reads the files)."""
@@ -97,7 +105,8 @@ class Resolved:
                 f"    ~{self.estimated_tokens:,} tokens ({self.tokens_per_byte:.3f} tokens/byte, measured on the first "
                 f"file) for {self.need:,} read x {MARGIN}; to download {pending / GB:.2f} GB"
                 + (f"; token cache {self.estimated_tokens * token_bytes / GB:.2f} GB" if token_bytes else ""),
-                f"    recorded in {self.records[0].parent}" if self.records else ""]
+                f"    recorded in {self.records[0].parent}" if self.records else "",
+                f"    warning: {self.short}" if self.short else ""]
 
     def record(self) -> dict:
         """What the output's config and card say of it, and what a resumed run reads again."""
@@ -163,7 +172,11 @@ def download(resolved: Resolved, token: str | None, progress: bool) -> list[Path
 
 # -- the revision's listing ---------------------------------------------------------------------------
 def _records_folder(spec: DatasetSpec) -> Path:
-    return cache_root(None, "datasets") / spec.repo.replace("/", "--")
+    """The records of a repository, apart for each Hub (HF_ENDPOINT: a mirror's listing is its own)."""
+    from huggingface_hub import constants
+
+    hub = "" if constants.ENDPOINT == "https://huggingface.co" else hashlib.sha256(constants.ENDPOINT.encode()).hexdigest()[:8]
+    return cache_root(None, "datasets") / hub / spec.repo.replace("/", "--")
 
 
 def _folder(spec: DatasetSpec) -> str:
@@ -208,7 +221,8 @@ def _listing(spec: DatasetSpec, token: str | None) -> tuple[str, dict[str, int]]
                 if isinstance(entry, RepoFile)}
         except RemoteEntryNotFoundError:  # no such folder
             files = {}
-    _write(record, {"commit": commit, "files": files})
+    if files:  # a folder that does not exist (yet) is asked again next time
+        _write(record, {"commit": commit, "files": files})
     return commit, files
 
 
@@ -257,28 +271,49 @@ def sample_documents(f, name: str, text_field: str, where: str) -> tuple[list[st
     """(documents of the start of the open file `f` named `name`, the bytes of the file they take)."""
     lower = name.lower()
     if lower.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.ParquetFile(f)
-        group = table.metadata.row_group(0)
+        try:
+            table = pq.ParquetFile(f)
+            group = table.metadata.row_group(0)
+        except (pa.ArrowException, IndexError) as err:  # not parquet, or no row group (the Hub's errors go through)
+            raise DataError(f"{where} is not a readable parquet file ({type(err).__name__}); check the glob") from None
         return parquet_texts(table, 0, text_field, where), sum(group.column(i).total_compressed_size
                                                                  for i in range(group.num_columns))
     if lower.endswith(".gz"):
-        raw = gzip.GzipFile(fileobj=f)
-        try:
-            data = raw.read(SAMPLE_BYTES)
-        except (OSError, EOFError) as err:
-            raise DataError(f"{where} is not a readable gzip file ({err}); check the file") from None
-        kept = data[: data.rfind(b"\n") + 1] or data
-        disk = max(1, round(f.tell() * len(kept) / max(1, len(data))))  # the compressed bytes read, for what is kept
+        data, disk = _gunzip_start(f, where)
     else:
         data = f.read(SAMPLE_BYTES)
-        kept = data[: data.rfind(b"\n") + 1] or data
-        disk = len(kept)
+        while b"\n" not in data and (more := f.read(SAMPLE_BYTES)):  # a first record longer than the sample
+            data += more
+        disk = len(data)
+    kept = data[: data.rfind(b"\n") + 1] or data  # whole lines: the last one may be cut
+    disk = max(1, round(disk * len(kept) / max(1, len(data))))
     text = kept.decode("utf-8", errors="replace")
     if lower.endswith((".jsonl", ".jsonl.gz", ".json.gz")):
         return jsonl_documents(text, text_field, lambda number: f"{where}:{number + 1}"), disk
     return [text], disk
+
+
+def _gunzip_start(f, where: str) -> tuple[bytes, int]:
+    """(the first SAMPLE_BYTES of a gzip file's content, and up to its first newline at least; the compressed bytes
+    they took), counted exactly: GzipFile's read-ahead would count bytes it has not used."""
+    inflate = zlib.decompressobj(wbits=31)
+    data, fed = b"", 0
+    try:
+        while len(data) < SAMPLE_BYTES or b"\n" not in data:
+            chunk = inflate.unconsumed_tail or f.read(1 << 16)
+            if not inflate.unconsumed_tail:
+                fed += len(chunk)
+            if not chunk:
+                break
+            data += inflate.decompress(chunk, SAMPLE_BYTES)
+            if inflate.eof:
+                break
+    except zlib.error as err:
+        raise DataError(f"{where} is not a readable gzip file ({err}); check the file") from None
+    return data, max(1, fed - len(inflate.unconsumed_tail) - len(inflate.unused_data))
 
 
 def _write(path: Path, content: dict) -> None:

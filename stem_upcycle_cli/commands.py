@@ -677,7 +677,7 @@ def train(recipe, output, overrides, resume, quiet, plan_only, launch_config, to
                                "`accelerate launch --config_file FILE -m stem_upcycle.cli train ...`")
     recipe = load_recipe(recipe, list(overrides))
     if plan_only:  # a hub id's weights are not downloaded: the plan needs their shapes only
-        from stem_upcycle.hub import describe_download
+        from stem_upcycle.hub import describe_download, download_need
         from stem_upcycle.source import open_source
         from stem_upcycle.training.plan import Launch, count_distinct_rows, plan_training
 
@@ -688,6 +688,8 @@ def train(recipe, output, overrides, resume, quiet, plan_only, launch_config, to
         if source.pending_download:
             click.echo(describe_download(source.hub_id, source.pending_download))
         datasets, needs = _planned_datasets(recipe, source, token)
+        if source.pending_download:  # the weights, on the disk of the datasets' download
+            needs.append(download_need(source.pending_download))
         click.echo(plan.confirm(Path(output), needs))
         return
     import torch

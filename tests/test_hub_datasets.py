@@ -3,6 +3,7 @@
 request, offline too; every failure one line with nothing half-written; mixtures drawn by weight, exactly on resume."""
 
 import gzip
+import os
 import json
 import shutil
 
@@ -208,6 +209,7 @@ def test_weighted_entries_are_checked_when_the_recipe_is_read(tmp_path):
         "[{source: a.txt, weight: 0.8}, b.txt]": "mixes weighted and plain entries",
         "[{source: a.txt, weight: 0}]": "weight must be a number > 0",
         "[{source: a.txt, share: 1}]": "must have the keys source and weight",
+        "[hf:nothing]": "data.train: 'hf:nothing' must look like hf:ORG/NAME",
     }
     for train, message in cases.items():
         path = tmp_path / "r.yaml"
@@ -216,6 +218,9 @@ def test_weighted_entries_are_checked_when_the_recipe_is_read(tmp_path):
             load_recipe(path)
     path.write_text("model: {source: x}\ndata: {train: [{source: a.txt, weight: 1}]}\n")
     with pytest.raises(RecipeError, match="name held-out sets in data.eval"):
+        load_recipe(path)
+    path.write_text("model: {source: x, calib_data: [{source: hf:o/n, weight: 1}]}\ndata: {train: [a.txt]}\n")
+    with pytest.raises(RecipeError, match="model.calib_data entry .*weights belong to data.train entries"):
         load_recipe(path)
 
 
@@ -304,8 +309,8 @@ def test_the_llama_recipe_runs_its_first_steps_on_cpu_processes_with_its_dataset
     downloads = [r.path.rsplit("/resolve/", 1)[1].split("/", 1)[1] for r in hub.downloads() if "Range" not in r.headers]
     assert sorted(d for d in downloads if d in data) == sorted(data)  # each once: the second process read the cache
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert [d["dataset"] for d in config["stem_training_data"]] == ["HuggingFaceFW/fineweb-edu", "allenai/c4",
-                                                                     "Salesforce/wikitext"]
+    assert [d["dataset"] for d in config["stem_training_data"]] == ["HuggingFaceFW/fineweb-edu"]
+    assert [d["dataset"] for d in config["stem_eval_data"]] == ["allenai/c4", "Salesforce/wikitext"]  # scored only
     assert config["stem_table_columns"]  # a share of every layer's neurons, as the recipe says
 
 
@@ -324,3 +329,49 @@ def test_convert_calibrates_on_a_dataset_fetched_as_far_as_its_share(hub, datase
     refused = run("convert", dense, tmp_path / "other", "--calib-data", "hf:nothing", *common)
     assert refused.exit_code == 2 and "Invalid value for '--calib-data': 'hf:nothing' must look like hf:ORG/NAME" \
         in refused.output and not (tmp_path / "other").exists()
+
+
+def test_a_gz_sample_counts_the_compressed_bytes_it_used_and_reads_a_long_first_record_whole(tmp_path):
+    import io
+    import random
+
+    from stem_upcycle.hub_datasets import SAMPLE_BYTES, sample_documents
+
+    rng = random.Random(0)
+    lines = [json.dumps({"text": "x" * (SAMPLE_BYTES + 10)})]  # longer than the sample
+    lines += [json.dumps({"text": " ".join(rng.choice(["w1", "w22", "w333"]) for _ in range(200))}) for _ in range(3000)]
+    raw = ("\n".join(lines) + "\n").encode()
+    packed = gzip.compress(raw)
+    documents, disk = sample_documents(io.BytesIO(packed), "part.json.gz", "text", "part")
+    assert documents[0] == "x" * (SAMPLE_BYTES + 10) and len(documents) > 1
+    kept = sum(len(json.dumps({"text": d})) + 1 for d in documents)
+    assert abs(disk / len(gzip.compress(raw[:kept])) - 1) < 0.05  # what those lines take compressed
+    with pytest.raises(DataError, match="part is not a readable gzip file"):
+        sample_documents(io.BytesIO(packed[:20] + b"\xff" * 200), "part.json.gz", "text", "part")
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(packed[:20] + b"\xff" * 200)
+    from stem_upcycle.documents import plan_pieces
+
+    with pytest.raises(DataError, match="bad.jsonl.gz is not a readable gzip file"):
+        plan_pieces([bad])
+
+
+def test_two_machines_caches_of_one_file_share_its_tokens_and_a_small_dataset_is_named_in_the_plan(
+        hub, dataset, dense, tmp_path, monkeypatch):
+    from stem_upcycle.training.tokens import tokenize_corpus
+
+    hub.repos[f"datasets/{DATASET}"] = {"main": dataset}
+    tokenizer = _tokenizer(dense)
+    recipe = load_recipe(_recipe(tmp_path, [f"hf:{DATASET}/sample/10BT/*.parquet"], steps=200))  # more than it holds
+    plan = run("train", _recipe(tmp_path, [f"hf:{DATASET}/sample/10BT/*.parquet"], steps=200), "--output",
+               tmp_path / "run", "--plan", "--quiet")
+    assert "4 of 4 files" in plan.output and "warning: " in plan.output and "read its sequences more than once" in plan.output, \
+        plan.output[-1500:]
+    first = fetch_datasets(recipe, tokenizer, progress=False)[f"hf:{DATASET}/sample/10BT/*.parquet"].paths
+    folders = tokenize_corpus(first, tokenizer, "text", tmp_path / "tokens").folders
+    other = tmp_path / "other-machine-cache"  # its own download, at another time
+    shutil.copytree(huggingface_hub.constants.HF_HUB_CACHE, other, symlinks=True)
+    for blob in other.rglob("blobs/*"):
+        os.utime(blob, (1, 1))
+    copies = [other / p.relative_to(huggingface_hub.constants.HF_HUB_CACHE) for p in first]
+    assert tokenize_corpus(copies, tokenizer, "text", tmp_path / "tokens").folders == folders

@@ -17,7 +17,7 @@ import torch
 from ..generate import as_stream, cache_root
 from ..hub import DiskNeed, check_disk, download_need
 from ..hub_datasets import DatasetSpec, Resolved, download, is_dataset, resolve
-from .tokens import DataError, Sequences, token_dtype, tokenize_corpus
+from .tokens import DataError, Sequences, token_dtype, tokenised, tokenize_corpus
 
 
 def expand_files(patterns: list[str], what: str, datasets: dict[str, Resolved] | None = None) -> list[Path]:
@@ -72,11 +72,12 @@ def training_reads(recipe) -> list[tuple[str, int]]:
     if not sources:
         return []
     text_per_step = t.batch_size - (round(t.batch_size * g.train_share) if g.tokens else 0)
-    tokens = t.steps * text_per_step * d.seq_len + 1
-    tokens = min(tokens, d.max_train_tokens) if d.max_train_tokens else tokens
-    tokens /= 1 - (d.heldout_fraction if not d.eval else 0)  # the held-out tail is cut from the same text
-    weights = d.train_weights() or [1 / len(sources)] * len(sources)
-    return [(entry, math.ceil(tokens * weight)) for entry, weight in zip(sources, weights)]
+    tokens = (t.steps * text_per_step * d.seq_len + 1) / (1 - (d.heldout_fraction if not d.eval else 0))  # the
+    # held-out tail is cut from the same text
+    cap = d.max_train_tokens or math.inf  # of the corpus, or of each weighted entry (load_data)
+    if weights := d.train_weights():
+        return [(entry, math.ceil(min(tokens * weight, cap))) for entry, weight in zip(sources, weights)]
+    return [(entry, math.ceil(min(tokens, cap) / len(sources))) for entry in sources]
 
 
 def resolve_datasets(recipe, tokenizer, token: str | None = None, pinned: dict | None = None) -> dict[str, Resolved]:
@@ -89,10 +90,14 @@ def resolve_datasets(recipe, tokenizer, token: str | None = None, pinned: dict |
 
 
 def dataset_disk_needs(recipe, datasets: dict[str, Resolved], tokenizer) -> list[DiskNeed]:
-    """The download (files not cached yet) and the token cache of the datasets' files."""
+    """The download (files not cached yet) and the token cache of the files not tokenised yet: twice their ids, the
+    processes' parts and the joined files being on disk together for a while."""
     pending = sum(size for r in datasets.values() for _, size in r.pending)
-    tokens = sum(r.estimated_tokens for r in datasets.values()) * token_dtype(tokenizer).itemsize
-    return [download_need(pending), DiskNeed(cache_root(recipe.data.cache_dir, "tokens"), tokens, "the token cache")]
+    root = cache_root(recipe.data.cache_dir, "tokens")
+    untokenised = sum(size * r.tokens_per_byte for r in datasets.values() for path, (_, size) in zip(r.paths, r.files)
+                      if not tokenised(path, tokenizer, recipe.data.text_field, root))
+    return [download_need(pending),
+            DiskNeed(root, round(2 * untokenised * token_dtype(tokenizer).itemsize), "the token cache")]
 
 
 def fetch_datasets(recipe, tokenizer, token: str | None = None, progress: bool = True, pinned: dict | None = None
@@ -104,6 +109,8 @@ def fetch_datasets(recipe, tokenizer, token: str | None = None, progress: bool =
     if any(r.pending for r in datasets.values()):
         check_disk(dataset_disk_needs(recipe, datasets, tokenizer))
     for entry, resolved in datasets.items():
+        if resolved.short:
+            print(f"warning: {resolved.short}", file=sys.stderr)
         if progress and resolved.pending:
             print(f"fetching {len(resolved.pending)} of the {len(resolved.files)} files of {entry} this run reads "
                   f"({sum(size for _, size in resolved.pending) / 1e9:.2f} GB)", file=sys.stderr)
@@ -205,9 +212,10 @@ def eval_files(recipe, datasets: dict[str, Resolved] | None = None) -> dict[str,
     return {name: expand_files(files, f"data.eval.{name}", datasets) for name, files in recipe.data.eval.items()}
 
 
-def heldout_paths(recipe, datasets: dict[str, Resolved] | None = None) -> list[Path]:
-    """Every held-out file of every set: never trained or calibrated on."""
-    return [f for files in eval_files(recipe, datasets).values() for f in files]
+def heldout_paths(recipe, datasets: dict[str, Resolved] | None = None) -> set[Path]:
+    """Every held-out file of every set, resolved: never trained or calibrated on (`f.resolve() not in` it: a Hub
+    file is the same blob whichever revision's folder names it)."""
+    return {f.resolve() for files in eval_files(recipe, datasets).values() for f in files}
 
 
 def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: None, run: str = "",
@@ -225,7 +233,7 @@ def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: Non
         return tokenize_corpus(files, tokenizer, d.text_field, root, rank, world, wait, run=run, progress=progress)
 
     def training(entries: list[str], what: str) -> Sequences:
-        files = [f for f in expand_files(entries, what, datasets) if f not in heldout]  # held out: never trained on
+        files = [f for f in expand_files(entries, what, datasets) if f.resolve() not in heldout]  # never trained on
         if not files:
             raise DataError(f"{what} names only held-out files; list training text that data.eval does not name")
         sequences = Sequences(stream(files), d.seq_len, max_tokens=d.max_train_tokens)

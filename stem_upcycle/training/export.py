@@ -67,7 +67,7 @@ def write_model(out: Path, init_dir: Path, source, recipe, tables: dict, state: 
         for path in init.directory.iterdir():  # the model's other files; a trained init_from's run files are its own
             if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (INDEX_NAME, *RUN_FILES):
                 shutil.copyfile(path, staging / path.name)
-        _set_config(staging / "config.json", dtype, datasets or {})
+        _set_config(staging / "config.json", dtype, recipe, datasets or {})
         _add_training_card(staging / "README.md", out / "train_log.jsonl", recipe, tokens_seen, datasets or {})
         names = sorted((p.name for p in staging.iterdir()), key=lambda n: n == "config.json")  # config last
         for name in names:
@@ -101,16 +101,24 @@ def _copy_rows(table: torch.Tensor, start: int, stop: int, out: torch.Tensor) ->
     out.copy_(table[start:stop].detach())
 
 
-def _set_config(config: Path, dtype, datasets: dict) -> None:
+def _fitted_on(recipe, datasets: dict) -> tuple[list, list]:
+    """([the Hub datasets the model was trained or calibrated on], [those it was only scored on])."""
+    fitted = set(recipe.data.train_sources()) | set(recipe.model.calib_data)
+    return ([r for entry, r in datasets.items() if entry in fitted],
+            [r for entry, r in datasets.items() if entry not in fitted])
+
+
+def _set_config(config: Path, dtype, recipe, datasets: dict) -> None:
     """The config names the weights' dtype (`dtype`, `torch_dtype` before Transformers 5): the exported one; and
-    the Hub datasets trained on, each with its commit and the files read."""
+    the Hub datasets trained or calibrated on (`stem_training_data`) and scored on (`stem_eval_data`), each with its
+    commit and the files read."""
     fields = json.loads(config.read_text())
     name = str(dtype).removeprefix("torch.")
     for key in [k for k in ("dtype", "torch_dtype") if k in fields] or ["dtype"]:
         fields[key] = name
-    if datasets:
-        fields["stem_training_data"] = [{k: r.record()[k] for k in ("dataset", "revision", "glob", "files")}
-                                        for r in datasets.values()]
+    for key, resolved in zip(("stem_training_data", "stem_eval_data"), _fitted_on(recipe, datasets)):
+        if resolved:
+            fields[key] = [{k: r.record()[k] for k in ("dataset", "revision", "glob", "files")} for r in resolved]
     config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
@@ -143,11 +151,11 @@ def _add_training_card(card: Path, log: Path, recipe, tokens_seen: int, datasets
     text = card.read_text() if card.exists() else ""
     text = text.replace(UNTRAINED_HEADING, "> At conversion, before training:")
     card.write_text(text + "".join(lines))
-    if datasets:  # the card's metadata names them, as the Hub lists a model's datasets
+    if fitted := _fitted_on(recipe, datasets)[0]:  # the card's metadata names them, as the Hub lists a model's data
         from huggingface_hub import ModelCard
 
         model_card = ModelCard.load(card)
-        model_card.data.datasets = sorted({r.spec.repo for r in datasets.values()})
+        model_card.data.datasets = sorted({r.spec.repo for r in fitted})
         model_card.save(card)
 
 

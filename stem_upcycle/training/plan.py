@@ -128,21 +128,14 @@ class TrainingPlan:
     def confirm(self, output: Path | None = None, also: list = ()) -> str:
         """A line saying that the run fits this machine, or a PlanError naming everything that does not; `also`:
         what the run downloads and caches besides OUTPUT (hub.DiskNeed: the datasets' files and tokens)."""
-        problems = self.check(output)
-        if also:
-            from ..hub import HubError, check_disk
-
-            try:
-                check_disk(list(also))
-            except HubError as err:
-                problems.append(str(err).split(";")[0])
-        if problems:
+        if problems := self.check(output, also):
             raise PlanError("; ".join(problems) + ": the run does not fit this machine as planned")
         gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU: GPU memory not checked"
         return f"fits this machine ({os.cpu_count()} CPUs, {(_available_memory() or 0) / GB:.1f} GB available{gpu})"
 
-    def check(self, output: Path | None = None) -> list[str]:
-        """What does not fit this machine, one line each (empty: everything fits, or could not be checked)."""
+    def check(self, output: Path | None = None, also: list = ()) -> list[str]:
+        """What does not fit this machine, one line each (empty: everything fits, or could not be checked); `also`:
+        what is written besides OUTPUT (hub.DiskNeed), summed with it where they share a disk."""
         device, host, disk = self.totals()
         problems = []
         if self.launch.device == "cpu":
@@ -156,7 +149,14 @@ class TrainingPlan:
             total = torch.cuda.mem_get_info()[1]
             if device > total:
                 problems.append(f"GPU memory: each process needs {device / GB:.1f} GB, this GPU has {total / GB:.1f} GB")
-        if output is not None:
+        if output is not None and also:
+            from ..hub import DiskNeed, HubError, check_disk
+
+            try:
+                check_disk([DiskNeed(output, disk, "OUTPUT"), *also])
+            except HubError as err:
+                problems.append("disk: " + str(err).split(";")[0].removeprefix("not enough disk space: "))
+        elif output is not None:
             from ..atomic import existing_parent
 
             existing = existing_parent(output)

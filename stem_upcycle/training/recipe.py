@@ -325,6 +325,7 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError(f"generated.tokens {g.tokens} makes no training sequence of data.seq_len + 1 = "
                           f"{recipe.data.seq_len + 1} tokens")
     _validate_train_entries(recipe.data)
+    _validate_text_entries(recipe)
     if (not g.tokens or g.train_share < 1) and not recipe.data.train:
         raise RecipeError("data.train is empty; list training text files, or train on generated text alone "
                           "(generated.tokens > 0 and generated.train_share: 1)")
@@ -357,6 +358,24 @@ def _validate(recipe: Recipe) -> None:
         raise RecipeError(f"model.first_token {recipe.model.first_token!r} is unknown; choose {' or '.join(FIRST_TOKEN)}")
     if not recipe.model.source:
         raise RecipeError("model.source is empty; name the dense checkpoint (the teacher), e.g. smollm2-135m")
+
+
+def _validate_text_entries(recipe: Recipe) -> None:
+    """Every text entry a file, glob or well-formed `hf:` dataset (a mapping only in data.train: a mixture's)."""
+    from ..hub_datasets import DatasetSpec, is_dataset
+
+    entries = [("model.calib_data", e) for e in recipe.model.calib_data]
+    entries += [(f"data.eval.{name}", e) for name, files in recipe.data.eval.items() for e in files]
+    entries += [("data.train", e) for e in recipe.data.train_sources()]
+    for key, entry in entries:
+        if not isinstance(entry, str):
+            raise RecipeError(f"{key} entry {entry!r} must be a file, a glob or an hf: dataset (weights belong to "
+                              f"data.train entries)")
+        if is_dataset(entry):
+            try:
+                DatasetSpec.parse(entry, key)
+            except UserError as err:
+                raise RecipeError(str(err)) from None
 
 
 def _validate_train_entries(data: DataSection) -> None:

@@ -70,10 +70,10 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
         return Path(start.directory or m.init_from), None
     init_dir = output / "init"
     heldout = heldout_paths(recipe, datasets)
-    patterns = m.calib_data or recipe.data.train_sources()
+    patterns = (m.calib_data or recipe.data.train_sources()) if INITIALISERS[m.init].needs_data else []
     # each entry (a file, a glob, a dataset: a genre) an equal share of the calibration text; held-out files never
     calib = [group for group in ([str(f) for f in expand_files([pattern], "model.calib_data", datasets)
-                                  if f not in heldout] for pattern in patterns) if group]
+                                  if f.resolve() not in heldout] for pattern in patterns) if group]
     options = InitOptions(calib_data=calib, calib_tokens=m.calib_tokens, calib_seq_len=m.calib_seq_len,
                           text_field=recipe.data.text_field,
                           heldout_data={name: [str(f) for f in fs] for name, fs in eval_files(recipe, datasets).items()},

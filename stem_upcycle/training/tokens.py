@@ -60,11 +60,21 @@ def _encode(pieces: list[Piece], tokenizer, text_field: str, eos: int) -> list[n
 
 
 def cache_key(files: list[Path], tokenizer, text_field: str, piece_bytes: int) -> str:
-    identity = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    identity = [_identity(f) for f in files]
     vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
     payload = json.dumps({"files": identity, "text_field": text_field, "vocab": vocab, "class": type(tokenizer).__name__,
                           "eos": tokenizer.eos_token_id, "piece_bytes": piece_bytes, "format": FORMAT})
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def _identity(path: Path) -> tuple:
+    """What names a file's content: its path, size and modification time; a file of the Hugging Face cache, its blob
+    (named by its hash) and size, so that machines that each downloaded it into a cache of their own, at other
+    times, share one token cache."""
+    real = path.resolve()
+    if real.parent.name == "blobs" and real.parent.parent.name.startswith(("datasets--", "models--")):
+        return ("hub", real.parent.parent.name, real.name, real.stat().st_size)
+    return (str(real), real.stat().st_size, real.stat().st_mtime_ns)
 
 
 class TokenFile:
@@ -87,6 +97,11 @@ class TokenFile:
     def __del__(self):
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
+
+
+def tokenised(path: Path, tokenizer, text_field: str, root: Path, piece_bytes: int = PIECE_BYTES) -> bool:
+    """Whether `path` (a file not there yet: no) is in the token cache `root`."""
+    return path.exists() and (root / cache_key([path], tokenizer, text_field, piece_bytes) / "meta.json").exists()
 
 
 class TokenStream:

@@ -35,7 +35,7 @@ from ..evaluate import figures
 from ..loading import load_tokenizer, model_from_source
 from ..source import open_source
 from . import checkpoint, export
-from .data import MixedBatches, fetch_datasets, load_data, pack_ids
+from .data import MixedBatches, fetch_datasets, load_data, pack_ids, resolve_datasets, text_needs
 from .starting_point import generated_text, initial_model
 from .losses import HeadLoss, head_loss
 from .recipe import Recipe, bf16_autocast, check_batch
@@ -209,17 +209,27 @@ class Trainer:
         return model_from_source(self.source, dtype).to(self.accelerator.device).requires_grad_(False)
 
     def _datasets(self, resume: bool) -> dict:
-        """The recipe's `hf:` datasets, downloaded by each machine's first process (the others then read the cache
-        and the records it wrote, asking the Hub nothing); a resumed run reads the files its start chose
-        (OUTPUT/datasets.json), whatever its branch names now."""
+        """The recipe's `hf:` datasets: which files, resolved once by the main process (a resumed run: those its start
+        chose, OUTPUT/datasets.json, whatever its branch names now) and sent to every process, so that machines
+        agree; then downloaded by each machine's first process, the others reading its cache afterwards."""
+        from accelerate.utils import broadcast_object_list
+
         acc, record = self.accelerator, self.output / export.DATASETS_FILE
-        pinned = json.loads(record.read_text()) if resume and record.exists() else None
+        pinned = [None]
+        if acc.is_main_process and text_needs(self.recipe):
+            if resume and record.exists():
+                pinned[0] = json.loads(record.read_text())
+            else:
+                resolved = resolve_datasets(self.recipe, self.teacher_tokenizer, self.hub.token)
+                pinned[0] = {entry: r.record() for entry, r in resolved.items()}
+                record.write_text(json.dumps(pinned[0], indent=1) + "\n")
+        if self.world > 1:
+            broadcast_object_list(pinned)  # a main process's error has ended the run before this
+        if pinned[0] is None:
+            return {}
         with acc.local_main_process_first():
-            datasets = fetch_datasets(self.recipe, self.teacher_tokenizer, self.hub.token,
-                                      self.progress and acc.is_local_main_process, pinned)
-        if datasets and acc.is_main_process and pinned is None:
-            record.write_text(json.dumps({entry: r.record() for entry, r in datasets.items()}, indent=1) + "\n")
-        return datasets
+            return fetch_datasets(self.recipe, self.teacher_tokenizer, self.hub.token,
+                                  self.progress and acc.is_local_main_process, pinned[0])
 
     # -- one step ------------------------------------------------------------------------------
     def _teacher_hidden(self, inputs):
