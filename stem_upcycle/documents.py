@@ -1,6 +1,6 @@
 """Documents of the text files training and evaluation read: .txt (the file is one document),
 .jsonl (one document per record, in `text_field`) and .parquet (one per row, in the column
-`text_field`; read with pyarrow, which `datasets` brings, as a Hugging Face dataset's files are).
+`text_field`; read with pyarrow, as a Hugging Face dataset's files are).
 A .gz file (.jsonl.gz, .json.gz: JSON lines, as FineWeb and Dolma ship them; .txt.gz) is read as
 its decompressed bytes.
 
@@ -175,7 +175,7 @@ def _parquet(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"reading {path.name} needs pyarrow: pip install 'stem-upcycle[parquet]' (or pyarrow)") from None
+        raise DataError(f"reading {path.name} needs pyarrow, a dependency of stem-upcycle: pip install pyarrow") from None
     try:
         return pq.ParquetFile(path)
     except Exception as err:  # pyarrow's errors for a file that is not parquet have no common base
