@@ -28,8 +28,13 @@ def parse_sets(specs: list[str]) -> dict[str, list[str]]:
         name, sep, path = spec.partition("=")
         if not sep or Path(spec).exists() or not re.fullmatch(r"[\w.-]+", name):
             name, path = Path(spec).stem, spec
-        if not Path(path).is_file():
-            raise EvalError(f"--data {spec}: {path} is not a file; give FILE or NAME=FILE")
+        if path.startswith("hf:"):  # a Hub dataset (fetched by the caller), named after its repository
+            from .hub_datasets import DatasetSpec
+
+            repo = DatasetSpec.parse(path, f"--data {spec}").repo
+            name = name if sep and name != Path(spec).stem else repo.split("/")[1]
+        elif not Path(path).is_file():
+            raise EvalError(f"--data {spec}: {path} is not a file; give FILE, NAME=FILE or hf:ORG/NAME[/GLOB]")
         sets.setdefault(name, []).append(path)
     return sets
 

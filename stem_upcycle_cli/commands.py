@@ -271,8 +271,8 @@ def convert(source, out, layers, columns, fact_weight, init, calib_data, calib_t
     src = checked(open_source(source, _hub(revision, token, trust_remote_code, quiet), weights=not dry_run,
                               before_weights=before_weights))
     if any(entry.startswith("hf:") for entry in calib_data):  # each dataset as far as its share of the text
-        options.calib_data = _calibration_datasets(list(calib_data), calib_tokens - calib_generate, src, token,
-                                                   dry_run, quiet)
+        options.calib_data = _fetched_text(list(calib_data), max(1, calib_tokens - calib_generate) // len(calib_data),
+                                           load_tokenizer(src), token, dry_run, quiet, "--calib-data")
     reads_text = INITIALISERS[init].needs_data or is_auto(layers) or columns != ALL_COLUMNS or calib_generate
     if reads_text and not dry_run:  # the dense model, loaded once, where it reads (and writes) text
         options.dense_model = model_from_source(src).to(device)
@@ -543,11 +543,16 @@ def edit(model, swaps, mode, layer_spec, prompt, occurrences, max_new_tokens, ou
                    "edited model")
 
 
+DATASET_EVAL_TOKENS = 65536  # what `eval` scores of a Hub dataset without --max-tokens
+
+
 @main.command("eval")
 @click.argument("model")
 @click.option("--data", "specs", multiple=True, metavar="[NAME=]FILE",
               help="Held-out text: NAME=FILE adds FILE to set NAME (repeat to join files), FILE alone is a set named "
-                   "after the file; each set is scored and reported on its own.")
+                   "after the file; each set is scored and reported on its own. FILE may be a Hub dataset "
+                   f"hf:ORG/NAME[/GLOB][@REVISION]: its first --max-tokens (default {DATASET_EVAL_TOKENS}) are "
+                   "scored, and only the files they need are downloaded.")
 @click.option("--reference", help="Dense model to compare with (any SOURCE form convert accepts).")
 @click.option("--window", default=512, show_default=True, type=WINDOW, help="Tokens per scored window.")
 @click.option("--max-tokens", type=COUNT, help="Score only the first N tokens of each set.")
@@ -591,8 +596,11 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
     results = {"model": model, "reference": reference, "window": window, "device": str(device),
                "dtype": str(dtype).removeprefix("torch."), "sets": {}}
     for name, files in sets.items():
+        if any(f.startswith("hf:") for f in files):  # as far as the tokens scored
+            files = [f for entry in _fetched_text(files, max_tokens or DATASET_EVAL_TOKENS, tokenizer, token, False,
+                                                  quiet, "--data") for f in ([entry] if isinstance(entry, str) else entry)]
         progress = None if quiet else (lambda it, n=name: tqdm(it, desc=f"eval {n}", unit="window", file=sys.stderr))
-        ids = ev.read_token_ids(files, tokenizer, max_tokens)
+        ids = ev.read_token_ids(files, tokenizer, max_tokens or (DATASET_EVAL_TOKENS if files != sets[name] else None))
         results["sets"][name] = ev.evaluate(lm, ids, window=window, reference=ref, progress=progress)
     if facts_file:
         from stem_upcycle.facts import load_facts, score_facts
@@ -604,19 +612,16 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
     click.echo(json.dumps(results) if as_json else ev.describe(results, model, reference))
 
 
-def _calibration_datasets(entries: list[str], text_tokens: int, source, token, dry_run: bool, quiet: bool) -> list:
-    """`--calib-data` with its Hub datasets resolved (printed) and, unless a dry run, downloaded: a dataset becomes the
-    list of its files that cover its share of the calibration text (a genre)."""
+def _fetched_text(entries: list[str], tokens: int, tokenizer, token, dry_run: bool, quiet: bool, what: str) -> list:
+    """`entries` (files and Hub datasets) with each dataset resolved (printed) and, unless a dry run, downloaded: the
+    list of its files that cover `tokens` (printed to stderr: stdout may be --json)."""
     from stem_upcycle.hub import check_disk, download_need
     from stem_upcycle.hub_datasets import DatasetSpec, download, resolve
-    from stem_upcycle.loading import load_tokenizer
 
-    tokenizer = load_tokenizer(source)
-    share = max(1, text_tokens) // len(entries)
-    resolved = {entry: resolve(DatasetSpec.parse(entry, "--calib-data"), share, tokenizer, "text", token)
+    resolved = {entry: resolve(DatasetSpec.parse(entry, what), tokens, tokenizer, "text", token)
                 for entry in entries if entry.startswith("hf:")}
     for r in resolved.values():
-        click.echo("\n".join(r.describe(None)[:2]))
+        click.echo("\n".join(r.describe(None)[:2]), err=True)
     if dry_run:
         return entries
     check_disk([download_need(sum(size for r in resolved.values() for _, size in r.pending))])

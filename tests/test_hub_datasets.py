@@ -375,3 +375,15 @@ def test_two_machines_caches_of_one_file_share_its_tokens_and_a_small_dataset_is
         os.utime(blob, (1, 1))
     copies = [other / p.relative_to(huggingface_hub.constants.HF_HUB_CACHE) for p in first]
     assert tokenize_corpus(copies, tokenizer, "text", tmp_path / "tokens").folders == folders
+
+
+def test_eval_scores_a_dataset_fetched_as_far_as_its_tokens(hub, dataset, dense, tmp_path):
+    hub.repos[f"datasets/{DATASET}"] = {"main": dataset}
+    spec = f"hf:{DATASET}/sample/10BT/*.parquet"
+    result = run("eval", dense, "--data", f"web={spec}", "--data", spec, "--max-tokens", "256", "--window", "32",
+                 "--json", "--quiet")
+    assert result.exit_code == 0, result.output
+    scored = json.loads(result.stdout.strip().splitlines()[-1])["sets"]
+    assert set(scored) == {"web", "web-text"} and scored["web"] == scored["web-text"]  # named, or after the repository
+    assert scored["web"]["tokens"] == 8 * 31 and full_downloads(hub) == {SHARDS[0]}
+    fails(run("eval", dense, "--data", "hf:nothing", "--quiet"), "must look like hf:ORG/NAME")
