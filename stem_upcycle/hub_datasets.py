@@ -68,9 +68,7 @@ class Resolved:
 
     @property
     def folder(self) -> Path:
-        from huggingface_hub import constants
-
-        return Path(constants.HF_HUB_CACHE) / f"datasets--{self.spec.repo.replace('/', '--')}" / "snapshots" / self.commit
+        return _snapshot(self.spec.repo, self.commit)
 
     @property
     def paths(self) -> list[Path]:
@@ -175,15 +173,16 @@ def _records_folder(spec: DatasetSpec) -> Path:
     """The records of a repository, apart for each Hub (HF_ENDPOINT: a mirror's listing is its own)."""
     from huggingface_hub import constants
 
-    hub = "" if constants.ENDPOINT == "https://huggingface.co" else hashlib.sha256(constants.ENDPOINT.encode()).hexdigest()[:8]
+    endpoint = constants.ENDPOINT
+    hub = "" if endpoint == "https://huggingface.co" else hashlib.sha256(endpoint.encode()).hexdigest()[:8]
     return cache_root(None, "datasets") / hub / spec.repo.replace("/", "--")
 
 
 def _folder(spec: DatasetSpec) -> str:
     """The folder the glob names before its first wildcard ("" : the top): all that is listed of the repository."""
     parts = spec.glob.split("/")[:-1]
-    fixed = [part for part in parts[: next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))]]
-    return "/".join(fixed)
+    wild = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+    return "/".join(parts[:wild])
 
 
 def _listing_record(spec: DatasetSpec) -> Path:
@@ -226,6 +225,13 @@ def _listing(spec: DatasetSpec, token: str | None) -> tuple[str, dict[str, int]]
     return commit, files
 
 
+def _snapshot(repo: str, commit: str) -> Path:
+    """Where the Hugging Face cache holds a dataset's files at `commit`."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / f"datasets--{repo.replace('/', '--')}" / "snapshots" / commit
+
+
 def _cached_folder(spec: DatasetSpec) -> Path | None:
     from .source import cached_snapshot
 
@@ -244,7 +250,7 @@ def _tokens_per_byte(spec: DatasetSpec, commit: str, first: tuple[str, int], tok
     record = _records_folder(spec) / f"sample-{key}.json"
     if record.is_file():
         return json.loads(record.read_text())["tokens_per_byte"], record
-    local = Path(constants.HF_HUB_CACHE) / f"datasets--{spec.repo.replace('/', '--')}" / "snapshots" / commit / name
+    local = _snapshot(spec.repo, commit) / name
     where = f"{spec.repo}/{name}"
     if local.is_file():
         with local.open("rb") as f:
