@@ -186,3 +186,25 @@ def test_a_bad_record_in_one_process_share_stops_every_process(corpus):
     for t in threads:
         t.join()
     assert errors[0] == errors[1] and "bad.jsonl:291 is not valid JSON" in errors[0]
+
+
+def test_a_held_out_prefix_is_the_stream_s_first_ids_and_tokenises_only_the_pieces_it_takes(corpus, monkeypatch):
+    from stem_upcycle.training.tokens import tokenize_prefix
+
+    tmp_path, tokenizer = corpus
+    files = [tmp_path / "big.txt", tmp_path / "big.jsonl"]
+    whole = tokenize_corpus(files, tokenizer, "text", tmp_path / "cache", piece_bytes=500)
+    calls = []
+    original = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, texts, **kw: calls.append(1) or original(self, texts, **kw))
+    prefix = tokenize_prefix(files, tokenizer, "text", tmp_path / "cache", 300, piece_bytes=500)
+    assert torch.equal(prefix.read(0, len(prefix)), whole.read(0, 300)) and len(prefix) == 300
+    assert 0 < len(calls) < -(-len(plan_pieces(files, 500)) // BATCH_PIECES)  # not every batch of pieces
+    calls.clear()
+    again = tokenize_prefix(files, tokenizer, "text", tmp_path / "cache", 300, piece_bytes=500)
+    assert calls == [] and again.folder == prefix.folder  # cached
+    more = tokenize_prefix(files, tokenizer, "text", tmp_path / "cache", 10**9, piece_bytes=500)
+    assert len(more) == len(whole)  # a corpus shorter than asked: all of it
+    (tmp_path / "bad.jsonl").write_text('{"text": "w1"}\nnot json\n')
+    with pytest.raises(DataError, match="bad.jsonl:2 is not valid JSON"):
+        tokenize_prefix([tmp_path / "bad.jsonl"], tokenizer, "text", tmp_path / "cache", 10)

@@ -17,7 +17,7 @@ import torch
 from ..generate import as_stream, cache_root
 from ..hub import DiskNeed, check_disk, download_need
 from ..hub_datasets import DatasetSpec, Resolved, download, is_dataset, resolve
-from .tokens import DataError, Sequences, token_dtype, tokenised, tokenize_corpus
+from .tokens import DataError, Sequences, token_dtype, tokenised, tokenize_corpus, tokenize_prefix
 
 
 def expand_files(patterns: list[str], what: str, datasets: dict[str, Resolved] | None = None) -> list[Path]:
@@ -248,8 +248,10 @@ def load_data(recipe, tokenizer, rank: int = 0, world: int = 1, wait=lambda: Non
     elif d.train:
         sequences = training(d.train_sources(), "data.train")
     per_set = max(1, d.eval_tokens // d.seq_len)
-    if sets:
-        return sequences, {name: _heldout(Sequences(stream(files), d.seq_len, count=per_set), name)
+    if sets:  # the first sequences of each set: only as much of its files is tokenised as they take
+        return sequences, {name: _heldout(Sequences(tokenize_prefix(files, tokenizer, d.text_field, root,
+                                                                    per_set * d.seq_len + 1, rank, wait),
+                                                    d.seq_len, count=per_set), name)
                            for name, files in sets.items()}
     count = max(1, round(len(sequences) * d.heldout_fraction)) if d.heldout_fraction else 0
     if count >= len(sequences):
