@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -169,6 +170,27 @@ def train_overrides(ws, *extra):
     return [f"model.source={ws / 'dense'}", f"model.init_from={ws / 'stem'}", f"data.train=[{ws / 'train.txt'}]",
             f"data.eval=[{ws / 'heldout.txt'}]", "data.seq_len=32", "data.eval_tokens=256", "train.batch_size=8",
             "train.micro_batch_size=4", "train.eval_every=0", "train.warmup_steps=2", "tables.lr=0.05", *extra]
+
+
+@contextmanager
+def crashing_at(monkeypatch, step: int):
+    """Inside the block, a Trainer stops at optimizer step `step` (0-based) as a killed run does (the block expects
+    that KeyboardInterrupt); after it, steps run again."""
+    from stem_upcycle.training.trainer import Trainer
+
+    real_step = Trainer.train_step
+
+    def crash(self, at):
+        if at == step:
+            raise KeyboardInterrupt
+        return real_step(self, at)
+
+    monkeypatch.setattr(Trainer, "train_step", crash)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        monkeypatch.setattr(Trainer, "train_step", real_step)
 
 
 def train_log(path):

@@ -15,8 +15,8 @@ from stem_upcycle.documents import DataError
 from stem_upcycle.training.data import Batches, Mixture, MixedBatches, fetch_datasets, resolve_datasets, text_needs
 from stem_upcycle.training.recipe import RecipeError, load_recipe
 
-from .conftest import markov_text, save_tiny_tokenizer
-from .test_hub_download import REPO, fails, hub, repo, run, save_dense  # noqa: F401 (fixtures)
+from .conftest import crashing_at, markov_text
+from .test_hub_download import fails, hub, run, save_dense  # noqa: F401 (hub: a fixture)
 
 DATASET = "someorg/web-text"
 SHARDS = [f"sample/10BT/00{i}_00000.parquet" for i in range(4)]
@@ -239,17 +239,8 @@ def test_a_mixture_of_a_dataset_and_local_text_trains_and_resumes_as_an_uninterr
     Trainer(recipe, tmp_path / "a", progress=False).run()
     uninterrupted = [json.loads(line) for line in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
 
-    real_step = Trainer.train_step
-
-    def crash_at_step_4(self, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "train_step", crash_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
+    with crashing_at(monkeypatch, 3):
         Trainer(recipe, tmp_path / "b", progress=False).run()
-    monkeypatch.setattr(Trainer, "train_step", real_step)
     hub.requests.clear()
     hub.failing = 500  # the resume reads OUTPUT/datasets.json and the cache: it needs no Hub
     Trainer(recipe, tmp_path / "b", resume=True, progress=False).run()

@@ -19,7 +19,7 @@ from stem_upcycle.training.recipe import load_recipe
 from stem_upcycle.training.trainer import Trainer
 from stem_upcycle.modeling.table_files import read_header
 
-from .conftest import VOCAB, markov_text, save_tiny_tokenizer, train_log, train_overrides
+from .conftest import VOCAB, crashing_at, markov_text, save_tiny_tokenizer, train_log, train_overrides
 
 
 def test_training_lowers_held_out_perplexity_and_exports_a_stem_model(workspace):
@@ -121,17 +121,8 @@ def test_resume_continues_exactly(workspace, monkeypatch):
     Trainer(load_recipe(None, train_overrides(workspace, *extra)), workspace / "a", progress=False).run()
     uninterrupted = train_log(workspace / "a")
 
-    real_step = Trainer.train_step
-
-    def crash_at_step_4(self, step):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_step(self, step)
-
-    monkeypatch.setattr(Trainer, "train_step", crash_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
+    with crashing_at(monkeypatch, 3):
         Trainer(load_recipe(None, train_overrides(workspace, *extra)), workspace / "b", progress=False).run()
-    monkeypatch.setattr(Trainer, "train_step", real_step)
     assert not (workspace / "b" / "config.json").exists()  # nothing that looks like a finished model
     stale = workspace / "b" / "checkpoints" / "step.partial-999999999"  # a checkpoint write cut short by SIGKILL
     stale.mkdir()

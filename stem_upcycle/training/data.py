@@ -43,7 +43,7 @@ def text_needs(recipe) -> dict[str, int]:
     share of model.calib_tokens, and each held-out set's data.eval_tokens."""
     from ..table_init import INITIALISERS
 
-    d, t, g, m = recipe.data, recipe.train, recipe.generated, recipe.model
+    d, g, m = recipe.data, recipe.generated, recipe.model
     needs: dict[str, int] = {}
 
     def need(entries: list[str], tokens: float) -> None:
