@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .documents import read_documents
 from .errors import UserError
+from .hub_datasets import DatasetSpec, is_dataset
 
 
 class EvalError(UserError):
@@ -28,9 +29,7 @@ def parse_sets(specs: list[str]) -> dict[str, list[str]]:
         name, sep, path = spec.partition("=")
         if not sep or Path(spec).exists() or not re.fullmatch(r"[\w.-]+", name):
             name, path = Path(spec).stem, spec
-        if path.startswith("hf:"):  # a Hub dataset (fetched by the caller), named after its repository
-            from .hub_datasets import DatasetSpec
-
+        if is_dataset(path):  # a Hub dataset (fetched by the caller), named after its repository
             repo = DatasetSpec.parse(path, f"--data {spec}").repo
             name = name if sep and name != Path(spec).stem else repo.split("/")[1]
         elif not Path(path).is_file():

@@ -228,6 +228,7 @@ def convert(source, out, layers, columns, fact_weight, init, calib_data, calib_t
     from stem_upcycle.families import family_for
     from stem_upcycle.hub import check_disk, describe_download, download_need
     from stem_upcycle.loading import load_tokenizer, model_from_source, resolve_device
+    from stem_upcycle.hub_datasets import is_dataset
     from stem_upcycle.source import open_source
     from stem_upcycle.table_init import INITIALISERS, FitOptions, InitOptions
     from stem_upcycle.table_init.calibrated import CALIBRATION_NEEDS_TOKENIZER
@@ -270,7 +271,7 @@ def convert(source, out, layers, columns, fact_weight, init, calib_data, calib_t
 
     src = checked(open_source(source, _hub(revision, token, trust_remote_code, quiet), weights=not dry_run,
                               before_weights=before_weights))
-    if any(entry.startswith("hf:") for entry in calib_data):  # each dataset as far as its share of the text
+    if any(map(is_dataset, calib_data)):  # each dataset as far as its share of the text
         options.calib_data = _fetched_text(list(calib_data), max(1, calib_tokens - calib_generate) // len(calib_data),
                                            load_tokenizer(src), token, dry_run, quiet, "--calib-data")
     reads_text = INITIALISERS[init].needs_data or is_auto(layers) or columns != ALL_COLUMNS or calib_generate
@@ -577,6 +578,7 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
     from tqdm.auto import tqdm
 
     from stem_upcycle import evaluate as ev
+    from stem_upcycle.hub_datasets import is_dataset
     from stem_upcycle.loading import compute_dtype, load_model, load_tokenizer, resolve_device
 
     if not specs and not facts_file:
@@ -596,7 +598,7 @@ def evaluate(model, specs, reference, window, max_tokens, facts_file, tables, de
     results = {"model": model, "reference": reference, "window": window, "device": str(device),
                "dtype": str(dtype).removeprefix("torch."), "sets": {}}
     for name, files in sets.items():
-        if any(f.startswith("hf:") for f in files):  # as far as the tokens scored
+        if any(map(is_dataset, files)):  # as far as the tokens scored
             files = [f for entry in _fetched_text(files, max_tokens or DATASET_EVAL_TOKENS, tokenizer, token, False,
                                                   quiet, "--data") for f in ([entry] if isinstance(entry, str) else entry)]
         progress = None if quiet else (lambda it, n=name: tqdm(it, desc=f"eval {n}", unit="window", file=sys.stderr))
@@ -616,10 +618,10 @@ def _fetched_text(entries: list[str], tokens: int, tokenizer, token, dry_run: bo
     """`entries` (files and Hub datasets) with each dataset resolved (printed) and, unless a dry run, downloaded: the
     list of its files that cover `tokens` (printed to stderr: stdout may be --json)."""
     from stem_upcycle.hub import check_disk, download_need
-    from stem_upcycle.hub_datasets import DatasetSpec, download, resolve
+    from stem_upcycle.hub_datasets import DatasetSpec, download, is_dataset, resolve
 
     resolved = {entry: resolve(DatasetSpec.parse(entry, what), tokens, tokenizer, "text", token)
-                for entry in entries if entry.startswith("hf:")}
+                for entry in entries if is_dataset(entry)}
     for r in resolved.values():
         click.echo("\n".join(r.describe(None)[:2]), err=True)
     if dry_run:

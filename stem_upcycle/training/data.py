@@ -46,21 +46,19 @@ def text_needs(recipe) -> dict[str, int]:
     d, g, m = recipe.data, recipe.generated, recipe.model
     needs: dict[str, int] = {}
 
-    def need(entries: list[str], tokens: float) -> None:
-        for entry in entries:
-            if is_dataset(entry):
-                needs[entry] = max(needs.get(entry, 0), math.ceil(tokens))
+    def need(entry: str, tokens: float) -> None:
+        if is_dataset(entry):
+            needs[entry] = max(needs.get(entry, 0), math.ceil(tokens))
 
     for entry, tokens in training_reads(recipe):
-        need([entry], tokens)
-    sources = d.train_sources()
-    calib = m.calib_data or sources
+        need(entry, tokens)
+    calib = m.calib_data or d.train_sources()
     if calib and not m.init_from and INITIALISERS[m.init].needs_data:
         generated = g.calib_share if g.tokens else 0.0
         for entry in calib:
-            need([entry], m.calib_tokens * (1 - generated) / len(calib))
-    for entries in d.eval.values():
-        need(entries, max(1, d.eval_tokens // d.seq_len) * d.seq_len + 1)
+            need(entry, m.calib_tokens * (1 - generated) / len(calib))
+    for entry in (entry for entries in d.eval.values() for entry in entries):
+        need(entry, max(1, d.eval_tokens // d.seq_len) * d.seq_len + 1)
     return needs
 
 
@@ -173,10 +171,10 @@ class Mixture:
         return torch.bincount(draws, minlength=len(self.orders))
 
     def step(self, step: int) -> torch.Tensor:
-        while len(self.offsets) <= step:  # a resumed run counts the earlier steps' draws (no sequence is read)
+        while len(self.offsets) <= step + 1:  # each step's draw once; a resumed run draws the earlier steps' too
             self.offsets.append(self.offsets[-1] + self.counts(len(self.offsets) - 1))
-        counts, offsets = self.counts(step), self.offsets[step]
-        return torch.cat([order.sequences[order.take(int(offsets[k]), int(counts[k]))]
+        start, counts = self.offsets[step], self.offsets[step + 1] - self.offsets[step]
+        return torch.cat([order.sequences[order.take(int(start[k]), int(counts[k]))]
                           for k, order in enumerate(self.orders) if counts[k]])
 
 

@@ -193,9 +193,7 @@ def tokenize_prefix(files: list[Path], tokenizer, text_field: str, root: Path, t
             folder.mkdir(parents=True, exist_ok=True)
             with staged_file(folder / "tokens.bin") as partial:
                 partial.write_bytes(stream.astype(token_dtype(tokenizer)).tobytes())
-            with staged_file(folder / "meta.json") as partial:
-                partial.write_text(json.dumps({"tokens": int(stream.size), "dtype": token_dtype(tokenizer).name,
-                                               "format": FORMAT}) + "\n")
+            _complete(folder, int(stream.size), token_dtype(tokenizer))
         except DataError as err:  # told to every process after the barrier, so that none waits for this one
             root.mkdir(parents=True, exist_ok=True)
             failed.write_text(str(err))
@@ -250,10 +248,15 @@ def _join(folders: list[Path], staging: Path, world: int, dtype: np.dtype) -> No
                 if file == k:
                     out.write(parts[i % world].read(tokens * dtype.itemsize))
                     total += tokens
-        with staged_file(folder / "meta.json") as partial:  # another run may read it while this one publishes
-            partial.write_text(json.dumps({"tokens": total, "dtype": dtype.name, "format": FORMAT}) + "\n")
+        _complete(folder, total, dtype)
     for f in parts:
         f.close()
+
+
+def _complete(folder: Path, tokens: int, dtype: np.dtype) -> None:
+    """meta.json, which makes a folder whose tokens.bin is written complete (another run may read it meanwhile)."""
+    with staged_file(folder / "meta.json") as partial:
+        partial.write_text(json.dumps({"tokens": tokens, "dtype": dtype.name, "format": FORMAT}) + "\n")
 
 
 def token_dtype(tokenizer) -> np.dtype:
