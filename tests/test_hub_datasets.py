@@ -15,7 +15,7 @@ from stem_upcycle.documents import DataError
 from stem_upcycle.training.data import Batches, Mixture, MixedBatches, fetch_datasets, resolve_datasets, text_needs
 from stem_upcycle.training.recipe import RecipeError, load_recipe
 
-from .conftest import crashing_at, markov_text
+from .conftest import crashing_at, markov_text, run_without_stem_upcycle
 from .test_hub_download import fails, hub, run, save_dense  # noqa: F401 (hub: a fixture)
 
 DATASET = "someorg/web-text"
@@ -100,6 +100,22 @@ def test_a_recipe_naming_a_dataset_fetches_only_the_shards_its_tokens_need_then_
     card = (tmp_path / "run" / "README.md").read_text()
     assert f"[{DATASET}]" in card and "at commit `" + "0" * 40 + "` (2 of its 4 files matching" in card
     assert f"datasets:\n- {DATASET}" in card
+    # the model, its config naming the dataset, loads and runs where stem-upcycle is not installed, as users load it
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "run", trust_remote_code=True)(ids).logits
+    torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
+    run_without_stem_upcycle("""
+        import torch
+        from transformers import AutoModelForCausalLM
+        expected = torch.load(sys.argv[1] + "/expected.pt")
+        model = AutoModelForCausalLM.from_pretrained(sys.argv[1] + "/run", trust_remote_code=True)
+        assert model.config.stem_training_data[0]["dataset"] == "someorg/web-text"
+        with torch.no_grad():
+            torch.testing.assert_close(model(expected["ids"]).logits, expected["logits"], rtol=0, atol=1e-6)
+    """, tmp_path)
 
     hub.requests.clear()  # a second run: the records and the cache answer
     assert run("train", recipe_file, "--output", tmp_path / "again", "--quiet").exit_code == 0
