@@ -31,6 +31,7 @@ from .modeling.table_files import TABLE_GROUP_PREFIX
 from .modeling.table_format import TableFormat, TableFormatError
 from .atomic import existing_parent, write_staged
 from .shards import BackgroundWriter, ShardWriter, TensorSpec, plan_shards
+from .stages import stage
 from .source import DTYPES, TOKENIZER_FILES, Source
 from .summary import describe_widths, table_layout
 from .table_init import INITIALISERS, InitOptions, InitTarget
@@ -206,11 +207,12 @@ class ConversionPlan:
         up = self.group_columns * cfg.hidden_size * (4 + COMPUTE_DTYPE.itemsize)
         largest = max(s.nbytes for s in self.specs if not isinstance(self.producers[s.name], (Table, TableGroup)))
         runtime = 600 * 2**20  # Python, torch and transformers themselves
-        if INITIALISERS[self.init].needs_data:  # the dense model in fp32, accumulators
-            from .table_init.calibrated import CALIB_MEMORY_BYTES
-
+        if INITIALISERS[self.init].needs_data:  # the dense model in fp32, the seen tokens' means and a layer's sums
             params = sum(math.prod(tensors.shape(n)) for n in tensors.names())
-            runtime += 4 * params + CALIB_MEMORY_BYTES
+            # distinct tokens in n tokens of text, about 3 n^0.75 (SmolLM2's sampled text: 11,539 in 65,536)
+            seen = min(cfg.vocab_size, int(3 * (self.init_options.calib_tokens or cfg.vocab_size) ** 0.75))
+            widths = [table_columns(cfg, layer) for layer in self.layers]
+            runtime += 4 * params + 4 * seen * (sum(widths) + 2 * max(widths))
             # the parent read in bf16 beside it (fp32 where bf16 is emulated: the model itself). Not counted: the
             # whole vocabulary's parent rows, a mapped file whose pages the kernel may drop (they show in the RSS:
             # SmolLM2 by default, 6.9 GB peak RSS against this estimate's 4.9 GB and 1.5 GB of rows)
@@ -235,8 +237,9 @@ class ConversionPlan:
             f"tables     {len(self.layers)} x [{cfg.vocab_size}, {describe_widths(cfg)}] {self.table_format.describe()}"
             f" = {self.table_bytes / gb:.2f} GB ({self.table_bytes / len(self.layers) / gb:.2f} GB each), "
             f"{table_layout(cfg.stem_table_groups)}",
-            *([f"parent     every token read after {self.init_options.parent.contexts} contexts of "
-               f"{self.init_options.parent.context_length} tokens: {self.parent_positions:,} positions of the source "
+            *([f"parent     every token read after {self.init_options.parent.per_token} of {self.init_options.parent.contexts} "
+               f"contexts of {self.init_options.parent.context_length} tokens: {self.parent_positions:,} positions of "
+               f"the source "
                f"({self.parent_flops() / 1e12:.0f} TFLOP), its rows kept on OUT's disk while the tables are written "
                f"({self.parent_bytes / gb:.2f} GB)"] if self.reads_parent_rows else []),
             f"output     {self.total_bytes / gb:.2f} GB in {len(self.shards)} shard(s)",
@@ -324,6 +327,8 @@ def plan_conversion(
                          column_step(d_ff, table_format.block_size), progress, dry_run)
     if choice.calibration is not None:  # --layers auto calibrated every layer already: the init reuses it
         init_options.calibration = choice.calibration
+    if choice.text_inputs is not None:  # a neuron choice read the text's MLP inputs: the rows are calibrated from them
+        init_options.mlp_inputs, init_options.reading_model = choice.text_inputs, choice.reading_model
     stem_layers, splits = choice.layers, choice.columns
     widths = choice.table_columns(d_ff)
     check_blocks(table_format, widths)
@@ -644,9 +649,17 @@ def write_tensors(specs: list[TensorSpec], producers: dict, shards, tensors, tab
     name in `replaced`, a fit's gate and down projections), and tables whose rows (of `widths[layer]` columns)
     `table_rows(layer)` fills chunk by chunk (`fill(start, stop, out)`), stored in `table_format`; a group's
     (`TableGroup`) with the rows of its layers side by side."""
+    total = sum(s.nbytes for s in specs)
+    with stage("write", f"{total / 1e9:.2f} GB"):
+        _write_in_order(specs, producers, shards, tensors, table_rows, table_format, widths, chunk_rows, directory,
+                        progress, replaced, total)
+
+
+def _write_in_order(specs, producers, shards, tensors, table_rows, table_format, widths, chunk_rows, directory,
+                    progress, replaced, total) -> None:
+    """write_tensors' work."""
     from tqdm.auto import tqdm
 
-    total = sum(s.nbytes for s in specs)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="write", disable=not progress, file=sys.stderr)
     writer = BackgroundWriter(ShardWriter(directory, shards, on_bytes=bar.update))
     later = {}  # (layer, part) -> a compressed table's other parts, written after its values
@@ -743,7 +756,6 @@ def _write_tokenizer(source: Source, directory: Path) -> None:
         if not found:
             print(f"warning: {source.spec} has no tokenizer files; the output has none either", file=sys.stderr)
         return
-    from transformers import AutoTokenizer
+    from .loading import load_tokenizer
 
-    path, kwargs = source.tokenizer_args
-    AutoTokenizer.from_pretrained(path, **kwargs).save_pretrained(directory)
+    load_tokenizer(source, "the converted model's tokenizer is saved from it").save_pretrained(directory)

@@ -10,7 +10,8 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -120,6 +121,7 @@ class Source:
     revision: str | None = None  # the commit of `hub_id` they come from, when known
     trust_remote_code: bool = False  # config, model and tokenizer are the checkpoint's own code (the user trusts it)
     pending_download: int = 0  # bytes of weights not yet downloaded (a source opened without them: shapes only)
+    loaded_tokenizer: Any = field(default=None, repr=False, compare=False)  # loading.load_tokenizer's, once loaded
 
     @property
     def files_bytes(self) -> int:

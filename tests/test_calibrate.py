@@ -64,7 +64,7 @@ def test_where_closed_form_is_exact_calibration_reproduces_it(dense_with_tokeniz
     text = calib_text(tmp_path)
     closed = convert(src, tmp_path / "closed", "--layers", "0", "--init", "closed-form")
     calib = convert(src, tmp_path / "calib", "--layers", "0", "--init", "calib", "--calib-data", text,
-                    "--calib-seq-len", "64")
+                    "--calib-seq-len", "64", "--parent-reads", "16")  # every token after every context
     exact = closed.model.layers[0].mlp.up_table.weight
     table = calib.model.layers[0].mlp.up_table.weight
     seen = torch.arange(0, 40)
@@ -109,15 +109,43 @@ def test_rows_are_the_gate_weighted_or_plain_mean_of_the_dense_up_projection(den
     assert table.grad[seen].norm() < 1e-5 * zero.grad[seen].norm()
 
 
-def test_layer_groups_in_several_passes_give_the_same_tables(dense_with_tokenizer, tmp_path, monkeypatch):
-    _, src = dense_with_tokenizer()
-    text = calib_text(tmp_path, n=256)
-    args = ("--layers", "all", "--columns", "all", "--init", "calib", "--calib-data", text, "--calib-seq-len", "64")
-    together = convert(src, tmp_path / "together", *args)
-    monkeypatch.setattr(calibrate_module, "CALIB_MEMORY_BYTES", 1)  # one layer per pass
-    apart = convert(src, tmp_path / "apart", *args)
-    for a, b in zip(together.state_dict().values(), apart.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+def test_rows_calibrated_from_a_choices_kept_inputs_equal_a_fresh_read_of_the_text(dense_with_tokenizer, tmp_path):
+    """A neuron choice reads the text's MLP inputs once; the chosen columns' rows are calibrated from them, with no
+    second forward over the text, and equal the rows of a calibration that reads the text again."""
+    from stem_upcycle.convert import stem_config
+    from stem_upcycle.families import family_for
+    from stem_upcycle.neurons import NeuronSplit
+    from stem_upcycle.source import open_source
+    from stem_upcycle.table_init import INITIALISERS, InitTarget
+    from stem_upcycle.table_init.mlp_inputs import MlpInputs
+    from stem_upcycle.table_init.parent_rows import ParentRowOptions
+
+    dense, src = dense_with_tokenizer()
+    source, family = open_source(str(src)), family_for("llama")
+    config = stem_config(source.config, family, [0, 2], "calib", torch.float32, False, True)
+    split = NeuronSplit(torch.tensor([5, 40, 17, *[i for i in range(48) if i not in (5, 40, 17)]]), 3)
+    target = InitTarget(source, family, config, [0, 2], {2: split})
+    options = InitOptions(calib_data=[str(calib_text(tmp_path, n=256))], calib_seq_len=64, dense_model=dense,
+                          parent=ParentRowOptions(contexts=0))
+    fresh = INITIALISERS["calib"](target, options)
+    windows = calibrate_module.calibration_windows(source, options)
+    kept = MlpInputs(dense, [0, 1, 2], windows)
+    forwards = []
+    hook = dense.register_forward_pre_hook(lambda *a: forwards.append(1))
+    reused = INITIALISERS["calib"](target, replace(options, mlp_inputs=kept))
+    hook.remove()
+    assert not forwards  # the text was not read again
+    for layer in (0, 2):
+        torch.testing.assert_close(reused.means[layer], fresh.means[layer], rtol=1e-5, atol=1e-6)
+    assert reused.means[2].shape == (fresh.seen.numel(), 3)
+    # past the budget of one file (mlp_inputs.MLP_INPUTS_BYTES) the text is read a group of layers at a time
+    import stem_upcycle.table_init.mlp_inputs as mlp_inputs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mlp_inputs, "MLP_INPUTS_BYTES", 1)
+        grouped = INITIALISERS["calib"](target, options)
+    for layer in (0, 2):
+        torch.testing.assert_close(grouped.means[layer], fresh.means[layer], rtol=1e-5, atol=1e-6)
 
 
 def test_calibration_beats_the_closed_form_on_its_own_text(dense_with_tokenizer, tmp_path):
@@ -169,7 +197,7 @@ def test_auto_layers_score_each_layer_as_the_converted_model_scores(dense_with_t
                                                "answers": [" ".join(f"w{(5 * i + j) % 90}" for j in range(1 + i % 3))]})
                                    for i in range(12)))
     monkeypatch.setattr(sensitivity, "RANKING_FACTS", facts_file)
-    flags = ("--init", "calib", "--calib-seq-len", "64")
+    flags = ("--init", "calib", "--calib-seq-len", "64", "--parent-reads", "16")  # the parent rows alike wherever read
     auto = convert(src, tmp_path / "auto", "--layers", "auto:1/3", "--calib-data", text, *flags)
     chosen = auto.config.stem_layers
     costs, fact_costs = measured

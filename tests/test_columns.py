@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stem_upcycle.cli import main
 from stem_upcycle.modeling.modeling_stem import StemMLP
@@ -175,7 +175,7 @@ def test_whole_layer_checkpoints_written_before_columns_load_with_their_logits(t
     run_without_stem_upcycle("""
         import torch
         from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         expected = load_file(sys.argv[1] + "/expected.safetensors")
         for placement in ("memory", "mmap"):
             model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, stem_tables=placement)
@@ -203,62 +203,84 @@ def test_table_bytes_equal_whole_layers_at_the_same_share(calib_dense):
     assert "which neurons, the real run chooses" in split.describe()
 
 
-def test_each_neurons_cost_is_its_output_error_on_windows_the_rows_never_saw(calib_dense):
+def test_each_neurons_cost_is_its_output_error_on_windows_the_rows_never_saw(calib_dense, tmp_path, monkeypatch):
     """The cost that chooses the table columns: ||W_down[:, j]||^2 x the mean over the scoring windows' positions
-    of (act(gate_j x) (up_j x - row_j[token]))^2, with the rows the conversion writes, on calibration windows kept
-    out of those rows; the cheapest neurons of each layer become its table columns."""
+    of (act(gate_j x) (up_j x - row_j[token]))^2, on calibration windows kept out of the rows, with rows as the
+    conversion makes them, built here by hand: each token's gate-weighted mean over the other windows, shrunk (k 8)
+    toward its parent row by brute force (a forward per context and token); the parent's completions of the
+    ranking facts weigh `fact_weight` beside; the cheapest neurons of each layer become its table columns."""
+    import stem_upcycle.table_init.mlp_inputs as mlp_inputs
+    import stem_upcycle.table_init.row_choice as row_choice
     from stem_upcycle.convert import stem_config
     from stem_upcycle.families import family_for
-    from stem_upcycle.table_init import INITIALISERS, InitOptions, InitTarget
-    from stem_upcycle.table_init.column_costs import column_costs
-    from stem_upcycle.table_init.layer_choice import ScoredTokens
-    from stem_upcycle.table_init.row_choice import COLUMN_SCORING_WINDOWS, choose_rows
+    from stem_upcycle.table_init import InitOptions
+    from stem_upcycle.table_init.calibrated import calibration_windows
+    from stem_upcycle.table_init.layer_choice import fact_completions
+    from stem_upcycle.table_init.parent_rows import ParentRowOptions, cut_contexts
+    from stem_upcycle.table_init.row_choice import COLUMN_SCORING_WINDOWS, choose_rows, neuron_costs
+
+    from .test_parent_rows import reference_rows
 
     dense, src, calib = calib_dense
+    facts_file = tmp_path / "facts.jsonl"  # in the tiny tokenizer's words, of different lengths
+    facts_file.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{(7 * i + j) % 90}" for j in range(2 + i % 4)),
+                                               "answers": [" ".join(f"w{(5 * i + j) % 90}" for j in range(1 + i % 3))]})
+                                   for i in range(6)))
+    monkeypatch.setattr(row_choice, "RANKING_FACTS", facts_file)
     source, family = open_source(str(src)), family_for("llama")
     config = stem_config(source.config, family, [0], "calib", torch.float32, False, True)
-    options = InitOptions(calib_data=[str(calib)], calib_seq_len=32, dense_model=dense,
-                          scoring_windows=COLUMN_SCORING_WINDOWS)
-    calibrated = INITIALISERS["calib"](InitTarget(source, family, config, [0, 1, 2]), options)
-    scoring = calibrated.scoring_windows
-    kept_out = {tuple(w) for w in scoring.tolist()}
-    assert len(scoring) == COLUMN_SCORING_WINDOWS and not kept_out & {tuple(w) for w in calibrated.windows.tolist()}
-    costs = column_costs(dense, calibrated, family, config, [0, 1, 2], scoring)
-    # layer 1 by hand: its MLP inputs in the dense model, the first position of each window left out (dense there)
-    inputs = []
-    hook = dense.model.layers[1].mlp.register_forward_pre_hook(lambda m, args: inputs.append(args[0][:, 1:]))
+    parent = ParentRowOptions(contexts=2, reads=2)  # every token after both contexts: brute force is quick
+    options = InitOptions(calib_data=[str(calib)], calib_seq_len=32, dense_model=dense, parent=parent, fact_weight=0)
+    _, _, costs = neuron_costs(source, family, config, [0, 1, 2], "calib", options)
+    _, _, with_facts = neuron_costs(source, family, config, [0, 1, 2], "calib",
+                                    InitOptions(**{**options.__dict__, "fact_weight": 0.5}))
+    windows = calibration_windows(source, options)
+    scoring = torch.linspace(0, len(windows) - 1, COLUMN_SCORING_WINDOWS).round().long()
+    rest = windows[[w for w in range(len(windows)) if w not in scoring.tolist()]]
+    mlp = dense.model.layers[1].mlp
+
+    def inputs_at(ids):  # layer 1's MLP inputs in the dense model
+        got = []
+        hook = mlp.register_forward_pre_hook(lambda m, args: got.append(args[0]))
+        with torch.no_grad():
+            dense(ids)
+        hook.remove()
+        return got[0]
+
+    def cost(x, ids, rows):
+        with torch.no_grad():
+            error = torch.nn.functional.silu(mlp.gate_proj(x)) * (mlp.up_proj(x) - rows[ids])
+        return mlp.down_proj.weight.square().sum(0) * error.square().mean(0)
+
+    facts = fact_completions(AutoTokenizer.from_pretrained(src), facts_file)
+    real = [(i, p) for i in range(len(facts.ids)) for p in range(1, int(facts.scored[i].nonzero().max()) + 2)]
+    scored_ids = torch.cat([windows[scoring, 1:].flatten(), torch.tensor([int(facts.ids[i, p]) for i, p in real])])
+    unique = scored_ids.unique()
+    x, ids = inputs_at(rest)[:, 1:].flatten(0, 1), rest[:, 1:].flatten()  # the first position keeps W_up
     with torch.no_grad():
-        dense(scoring)
-    hook.remove()
-    mlp, x = dense.model.layers[1].mlp, torch.cat(inputs).flatten(0, 1)
-    ids = scoring[:, 1:].flatten()
-    unique, inverse = ids.unique(return_inverse=True)
-    with torch.no_grad():
-        error = torch.nn.functional.silu(mlp.gate_proj(x)) * (mlp.up_proj(x) - calibrated.rows_for(1, unique)[inverse])
-        expected = mlp.down_proj.weight.square().sum(0) * error.square().mean(0)
+        w = torch.nn.functional.silu(mlp.gate_proj(x)).square()
+        num = torch.zeros(VOCAB, D_FF).index_add_(0, ids, w * mlp.up_proj(x))
+        den = torch.zeros(VOCAB, D_FF).index_add_(0, ids, w)
+    n = torch.bincount(ids, minlength=VOCAB).float()[:, None]
+    prior = torch.zeros(VOCAB, D_FF)
+    prior[unique] = reference_rows(dense, family, [1], cut_contexts(rest, parent), unique)[1]  # the rows' contexts
+    rows = (n * num / den.clamp_min(1e-12) + 8 * prior) / (n + 8)
+    x = inputs_at(windows[scoring])[:, 1:].flatten(0, 1)
+    expected = cost(x, windows[scoring, 1:].flatten(), rows)
     torch.testing.assert_close(costs[1], expected, rtol=1e-4, atol=1e-9)
-    choice = choose_rows(source, family, config, "all", "1/3", "calib", InitOptions(
-        calib_data=[str(calib)], calib_seq_len=32, dense_model=dense, fact_weight=0), step=8)
-    for layer, split in choice.columns.items():  # the same windows kept out: the same costs, the cheapest chosen
-        assert set(split.table.tolist()) == set(costs[layer].topk(16, largest=False).indices.tolist())
-    # factual prompts and their completions, padded as fact_completions pads them: their tokens' mean cost, by hand,
-    # weighs `fact_weight` beside the text's
-    facts = ScoredTokens(torch.tensor([[5, 9, 17, 30, 30], [8, 2, 44, 61, 70]]),
-                         torch.tensor([[False, True, True, False], [False, False, True, True]]))
-    with_facts = column_costs(dense, calibrated, family, config, [0, 1, 2], scoring, facts, 0.5)
-    inputs = []
-    hook = dense.model.layers[1].mlp.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
-    with torch.no_grad():
-        dense(facts.ids)
-    hook.remove()
-    real = [(0, p) for p in range(1, 4)] + [(1, p) for p in range(1, 5)]  # the first sequence's last token is padding
-    x = torch.stack([inputs[0][i, p] for i, p in real])
-    ids = torch.tensor([int(facts.ids[i, p]) for i, p in real])
-    unique, inverse = ids.unique(return_inverse=True)
-    with torch.no_grad():
-        error = torch.nn.functional.silu(mlp.gate_proj(x)) * (mlp.up_proj(x) - calibrated.rows_for(1, unique)[inverse])
-        fact_cost = mlp.down_proj.weight.square().sum(0) * error.square().mean(0)
+    fact_inputs = inputs_at(facts.ids)
+    fact_x = torch.stack([fact_inputs[i, p] for i, p in real])
+    fact_cost = cost(fact_x, torch.tensor([int(facts.ids[i, p]) for i, p in real]), rows)
     torch.testing.assert_close(with_facts[1], costs[1] + 0.5 * fact_cost, rtol=1e-4, atol=1e-9)
+    choice = choose_rows(source, family, config, "all", "1/3", "calib", options, step=8)
+    for layer, split in choice.columns.items():  # the cheapest chosen
+        assert set(split.table.tolist()) == set(costs[layer].topk(16, largest=False).indices.tolist())
+    # inputs past the budget of one file: a group of layers a forward, the same costs, none kept for the rows
+    monkeypatch.setattr(mlp_inputs, "MLP_INPUTS_BYTES", 1)
+    kept, _, grouped = neuron_costs(source, family, config, [0, 1, 2], "calib", options)
+    assert kept is None
+    for layer in (0, 1, 2):
+        torch.testing.assert_close(grouped[layer], costs[layer], rtol=1e-5, atol=1e-12)
 
 
 # --- every path serves a share of the neurons -----------------------------------------------------------------
@@ -300,7 +322,7 @@ def test_every_placement_format_and_layout_serves_a_share_of_the_neurons_where_s
     out = run_without_stem_upcycle("""
         import json, sys
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         paths, data = json.loads(sys.argv[1]), torch.load(sys.argv[2])
         ids, step = data["ids"], data["ids"][:, -1:]
         torch.accelerator.is_available = lambda: True  # `host` runs with the CPU as its device

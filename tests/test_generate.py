@@ -100,6 +100,7 @@ def test_convert_calibrates_on_generated_text_without_any_data(tmp_path, monkeyp
     from click.testing import CliRunner
 
     from stem_upcycle.cli import main
+    from stem_upcycle.stages import STAGES
 
     _model_and_tokenizer(tmp_path)
     monkeypatch.setenv("STEM_UPCYCLE_CACHE", str(tmp_path / "cache"))
@@ -107,9 +108,14 @@ def test_convert_calibrates_on_generated_text_without_any_data(tmp_path, monkeyp
             "--calib-tokens", "1024", "--calib-seq-len", "32", "--quiet"]
     first = CliRunner().invoke(main, [*args[:2], str(tmp_path / "a"), *args[2:]])
     assert first.exit_code == 0, first.output
-    assert "generated 1024 tokens" in first.output  # 4 sequences of 256, one batch of 4 (Sampling.covering)
+    assert "sample: 1,024 tokens generated (" in first.output  # 4 sequences of 256, one batch (Sampling.covering)
+    # --quiet: no bar, the plan's time and a line as each stage ends
+    ended = [line.split(":")[0] for line in first.output.splitlines() if line.split(":")[0] in STAGES]
+    assert ended == ["sample", "read text", "rows", "parent rows", "write"], first.output
+    assert "time       ~" in first.output and "sample " in first.output.split("time       ~")[1].splitlines()[0]
     second = CliRunner().invoke(main, [*args[:2], str(tmp_path / "b"), *args[2:]])
-    assert second.exit_code == 0 and "generated" not in second.output  # read back from the cache
+    assert second.exit_code == 0 and "tokens generated" not in second.output  # read back from the cache
+    assert f"sample: 1,024 tokens read from {tmp_path / 'cache'}" in second.output
     weights = "model-00001-of-00001.safetensors"
     assert (tmp_path / "a" / weights).read_bytes() == (tmp_path / "b" / weights).read_bytes()
     assert "--calib-generate 1024" in (tmp_path / "a" / "README.md").read_text()

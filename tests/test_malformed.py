@@ -129,6 +129,9 @@ NUMERIC_OPTIONS = {
     ("convert", "--parent-contexts"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", "0",
                                                            "--calib-data", t, "--parent-contexts", v, "--dry-run"],
                                        {-1: "x>=0", HUGE: None}),
+    ("convert", "--parent-reads"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", "0",
+                                                        "--calib-data", t, "--parent-reads", v, "--dry-run"],
+                                    {0: "x>=1", -1: "x>=1", HUGE: None}),  # more than --parent-contexts: all of them
     ("convert", "--fact-weight"): (lambda d, s, t, v: ["convert", d, t.parent / "out", "--layers", "0", "--columns", 32,
                                                        "--calib-data", t, "--fact-weight", v, "--dry-run"],
                                    {-1: "x>=0", HUGE: None}),

@@ -2,6 +2,7 @@
 per row that weighs a calibrated mean against it (calibrated.py, `InitOptions.shrink`)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,10 +86,6 @@ def test_a_split_reads_its_table_columns_and_chunks_give_one_result(monkeypatch)
     ParentReader(model, family, "silu", [1], contexts).rows(ids, emit=lambda chunk, rows: seen.append((chunk, rows[1])))
     assert [c.numel() for c, _ in seen] == [10] * 9 + [6]
     torch.testing.assert_close(torch.cat([r for _, r in seen]), whole, rtol=1e-5, atol=1e-6)
-    # a process's share of the chunks: chunk c of every process is the same rows
-    evens = ParentReader(model, family, "silu", [1], contexts).rows(ids, chunks=range(0, 10, 2))[1]
-    torch.testing.assert_close(evens, torch.cat([whole[c * 10 : (c + 1) * 10] for c in range(0, 10, 2)]),
-                               rtol=1e-5, atol=1e-6)
 
 
 def test_contexts_are_spread_over_the_text_and_seeded():
@@ -130,7 +127,7 @@ def test_shrinkage_weighs_each_calibrated_mean_against_the_parent_row_by_its_cou
 
     dense, src = dense_with_tokenizer()
     text = calib_text(tmp_path, n=256)  # words 0-39: the other ids unseen
-    common = ("--layers", "0,2", "--init", "calib", "--calib-data", text, "--calib-seq-len", "64")
+    common = ("--layers", "0,2", "--init", "calib", "--calib-data", text, "--calib-seq-len", "64", "--parent-reads", "4")
     tables = {name: convert(src, tmp_path / name, *common, *args) for name, args in {
         "ridge": ("--parent-contexts", "0"), "k0": ("--parent-contexts", "4", "--shrink", "0"),
         "k3": ("--parent-contexts", "4", "--shrink", "3"), "large": ("--parent-contexts", "4", "--shrink", "1e9")}.items()}
@@ -151,7 +148,7 @@ def test_shrinkage_weighs_each_calibrated_mean_against_the_parent_row_by_its_cou
         expected = (n * row["k0"] + 3 * parent[layer]) / (n + 3)
         torch.testing.assert_close(row["k3"], expected, rtol=1e-5, atol=1e-6)
     card = (tmp_path / "k3" / "README.md").read_text()
-    assert "--parent-contexts 4 --shrink 3" in card
+    assert "--parent-contexts 4 --parent-reads 4 --shrink 3" in card
 
 
 def test_the_default_conversion_reads_the_parents_own_text_and_converts_a_share_of_every_layer(dense_with_tokenizer,
@@ -167,10 +164,62 @@ def test_the_default_conversion_reads_the_parents_own_text_and_converts_a_share_
     result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--calib-generate", "8192",
                                        "--calib-seq-len", "64"])
     assert result.exit_code == 0, result.output
-    assert "every token read after 16 contexts of 48 tokens: 1,536 positions" in result.output
+    assert "every token read after 2 of 16 contexts of 48 tokens: 192 positions" in result.output
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["stem_init"] == "calib" and config["stem_layers"] == [0, 1, 2]
     assert config["stem_table_columns"] == {"0": 16, "1": 16, "2": 16}
     card = (tmp_path / "out" / "README.md").read_text()
     assert "--columns 1/6 --fact-weight 0.25 --init calib" in card and "--calib-generate 8192" in card and "--shrink 8" in card
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the parent rows' file is gone
+
+
+def test_a_budget_that_reads_every_token_after_every_context_gives_the_rows_of_before_budgets(dense_with_tokenizer,
+                                                                                            tmp_path):
+    """--parent-reads >= --parent-contexts: one set of every context, no effect taken off, the text read once for the
+    choice and the rows: the tables of the code before reads were budgeted (tests/data/todays_rows.safetensors, that
+    code's output of these two commands, whole layers and a third of every layer's neurons)."""
+    from safetensors.torch import load_file
+
+    _, src = dense_with_tokenizer()
+    text = calib_text(tmp_path, n=3000)
+    before = load_file(str(Path(__file__).parent / "data" / "todays_rows.safetensors"))
+    whole = convert(src, tmp_path / "whole", "--layers", "0,2", "--init", "calib", "--calib-data", text,
+                    "--calib-seq-len", "64", "--parent-contexts", "4", "--parent-reads", "4", "--shrink", "3")
+    share = convert(src, tmp_path / "share", "--layers", "all", "--columns", "1/3", "--init", "calib",
+                    "--calib-data", text, "--calib-tokens", "4096", "--calib-seq-len", "32", "--parent-contexts", "4",
+                    "--parent-reads", "4")
+    for name, model, layers in (("whole", whole, (0, 2)), ("share", share, (0, 1, 2))):
+        for layer in layers:
+            mlp = model.model.layers[layer].mlp
+            if name == "share":
+                assert torch.equal(mlp.neuron_order, before[f"share.order.{layer}"])  # the same neurons chosen
+            torch.testing.assert_close(mlp.up_table.weight.detach(), before[f"{name}.{layer}"], rtol=1e-4, atol=1e-5)
+
+
+def test_fewer_reads_give_each_token_its_sets_contexts_with_the_sets_effect_taken_off():
+    """B of P contexts a token: its row the mean after its set's B contexts, less that set's effect (its mean row
+    against every set's, weighed n / (n + SET_EFFECT_SHRINK)); every context serves as many tokens."""
+    from stem_upcycle.table_init.parent_rows import SET_EFFECT_SHRINK, ContextSets
+
+    model = tiny_dense("llama")
+    family = family_for("llama")
+    contexts = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(5))
+    sets = ContextSets(ParentRowOptions(contexts=4, reads=2), VOCAB)
+    assert sets.members == [[0, 1], [2, 3]] and torch.bincount(sets.of_token).tolist() == [VOCAB // 2] * 2
+    ids = torch.arange(VOCAB)
+    reader = ParentReader(model, family, "silu", [0, 2], contexts, sets=sets)
+    got = reader.rows(ids)
+    raw = {layer: torch.zeros(VOCAB, 48) for layer in (0, 2)}
+    for s, members in enumerate(sets.members):
+        mine = ids[sets.of_token == s]
+        expected = reference_rows(model, family, [0, 2], contexts[members], mine)
+        for layer in (0, 2):
+            raw[layer][mine] = expected[layer]
+    for layer in (0, 2):
+        torch.testing.assert_close(got[layer], raw[layer], rtol=1e-4, atol=1e-5)
+    prior = ParentPrior(reader, {0: 48, 2: 48}, VOCAB, torch.float32)
+    grand = raw[2].mean(0)
+    for s in range(2):
+        mine = ids[sets.of_token == s]
+        effect = (raw[2][mine].mean(0) - grand) * len(mine) / (len(mine) + SET_EFFECT_SHRINK)
+        torch.testing.assert_close(prior.rows(2, mine), raw[2][mine] - effect, rtol=1e-4, atol=1e-5)

@@ -37,10 +37,11 @@ from ..loading import fast_dtype, load_tokenizer, model_from_source
 from ..modeling.modeling_stem import fit_ridge
 from .closed_form import ClosedFormInit, stem_projections
 from .layer_fit import LayerFitter, fitted_weights
-from .parent_rows import ParentPrior, ParentReader, cut_contexts
+from .parent_rows import ContextSets, ParentPrior, ParentReader, cut_contexts
+from ..stages import stage
+from .mlp_inputs import MlpInputs, layer_groups
 from .protocol import InitOptions, InitTarget, RowsFn
 
-CALIB_MEMORY_BYTES = 2 * 2**30  # accumulators held at once, all layers of a pass together
 # Tokens of the parent's own text a calibrating `convert` samples when given no text (generate.py): its contexts, the
 # windows a neuron choice scores on, the means shrunk toward the parent rows. SmolLM2-135M, a sixth of every layer's
 # neurons, conversion only (issue 53): 64k sampled tokens give 1.21x-1.38x the parent on seven genres, as good as 16k
@@ -48,15 +49,11 @@ CALIB_MEMORY_BYTES = 2 * 2**30  # accumulators held at once, all layers of a pas
 DEFAULT_GENERATED = 65536
 CALIBRATION_NEEDS_TOKENIZER = ("--init calib reads text with it (--calib-data, or the text sampled from the model): "
                                "add the model's tokenizer files, or convert with --init closed-form (no text)")
-CALIB_WINDOWS = 8  # windows of a fitted layer's inputs added to its sums at once
+CALIB_WINDOWS = 8  # windows of MLP inputs added to the sums at once
 
 
 class CalibrationError(UserError):
     pass
-
-
-class _StopForward(Exception):
-    """Raised after the last STEM layer of a pass: later layers are not needed."""
 
 
 def shrink(means: torch.Tensor, prior: torch.Tensor, counts: torch.Tensor, k: float) -> torch.Tensor:
@@ -124,6 +121,51 @@ def in_fp32(fn):
     return run
 
 
+def reading_model(model, options: InitOptions):
+    """The dense model as it reads text without gradients (the calibration's inputs, the parent's rows, a choice's
+    scores), in `parent.dtype` (auto: bf16 where native, 5x fp32's tokens/s on 2 AMX cores; a fit trains in fp32):
+    the one a caller made already (`options.reading_model`), or a copy."""
+    return options.reading_model or in_dtype(model, options.parent.dtype)
+
+
+@in_fp32
+def accumulate(num, den, x, index, weights, activation, gate_weighted: bool, dtype: torch.dtype = torch.float32):
+    """Add the MLP inputs x [..., d] at rows `index` [...] of the sums: num += w * W_up x, den += w (w: the squared
+    gate, or 1), over the columns of `weights` ("up" [k, d], "gate" [>= k, d] and biases: its first k rows),
+    projected in `dtype` (fp32: the rows; the model's own bf16 where a neuron choice sums every column)."""
+    x = x.reshape(-1, x.shape[-1]).to(num.device, dtype)  # [tokens, d]
+    index = index.reshape(-1).to(num.device)
+    up = torch.nn.functional.linear(x, weights["up"].to(dtype), _cast(weights["up_bias"], dtype)).float()  # [tokens, k]
+    if gate_weighted:
+        k = up.shape[-1]
+        bias = None if weights["gate_bias"] is None else weights["gate_bias"][:k]
+        w = activation(torch.nn.functional.linear(x, weights["gate"][:k].to(dtype), _cast(bias, dtype)).float()).square()
+    else:
+        w = torch.ones_like(up)
+    num.index_add_(0, index, w * up)
+    den.index_add_(0, index, w)
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(dtype)
+
+
+def token_sums(inputs: MlpInputs, layer: int, windows: torch.Tensor, compact: torch.Tensor, rows: int, weights: dict,
+               activation, skip: int, gate_weighted: bool, dtype: torch.dtype = torch.float32):
+    """(num, den) [rows, k] fp32 where `weights` lie: `accumulate` over `layer`'s MLP inputs at the positions of
+    `windows` (indices into `inputs.windows`, `skip` first positions of each left out) whose token has a row,
+    `compact[id]` (-1: none)."""
+    device = weights["up"].device
+    k = weights["up"].shape[0]
+    num, den = torch.zeros(rows, k, device=device), torch.zeros(rows, k, device=device)
+    x_all = inputs.layer(layer)
+    for group in windows.split(CALIB_WINDOWS):
+        index = compact[inputs.windows[group][:, skip:]]  # [g, seq - skip]
+        kept = index >= 0
+        accumulate(num, den, x_all[group][:, skip:][kept], index[kept], weights, activation, gate_weighted, dtype)
+    return num, den
+
+
 @in_fp32
 def fit_projection(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The ridge fit x -> y as one matrix [d + 1, d_out], the last row the intercept (`torch.addmm(p[-1], x, p[:-1])`)."""
@@ -165,15 +207,28 @@ class CalibratedInit(ClosedFormInit):
         self.seen = calibrated_ids(self.windows, target.config)  # sorted ids the corpus calibrates
         self.counts = calibrated_counts(self.windows, target.config, self.seen)
         model = options.dense_model or model_from_source(self.source)
-        # text read without gradients (the calibration's sums, the parent's rows, a choice's scores) is read by the
-        # model in `parent.dtype` (bf16 where native: 5x fp32's tokens/s on 2 AMX cores); a fit trains in fp32
-        self.reading_model = in_dtype(model, options.parent.dtype)
+        self.reading_model = reading_model(model, options)
         shard = self.shard
         self.prior = self._parent_prior(target, options) if options.parent.contexts else None
         if self.fit.active:  # layer after layer (layer_fit.py): rows, and the gate and down projections
-            self.means = self._fit(target, shard, model)  # shrunk before they are fitted: the rows as they are
+            with stage("fit", f"{len(target.layers)} layers", not shard[0]):
+                self.means = self._fit(target, shard, model)  # shrunk before they are fitted: the rows as they are
         else:  # the calibrated means, shrunk where their rows are read (`_seen_rows`), beside their parent rows
-            self.means = self._calibrate(target, shard, self.windows, self.reading_model)  # layer -> [n_seen, k]
+            rank, world, _ = shard
+            windows = self.windows[rank::world]  # this process's share of the text
+            inputs = options.mlp_inputs  # read already by a neuron choice, on the same windows
+            reused = inputs is not None and torch.equal(inputs.windows, windows) and set(target.layers) <= set(inputs.layers)
+            dtype = next(self.reading_model.parameters()).dtype
+            self.means = {}  # layer -> [n_seen, k]
+            for layers in [target.layers] if reused else layer_groups(target.layers, windows.shape,
+                                                                       target.config.hidden_size, dtype):
+                if not reused:
+                    inputs = MlpInputs(self.reading_model, layers, windows, options.scratch_dir,
+                                       self.progress and not rank, report=not rank)
+                with stage("rows", f"{len(layers)} layers, {self.seen.numel():,} tokens", not rank):
+                    self.means |= self._calibrate(target.config, layers, shard, inputs)
+            if self.prior is not None and self.prior.read_whole and not rank:
+                self.prior.read(self.seen)  # every token's, now: the tables are written after
         self.projections = {} if self.prior is not None else {layer: self._fit_projection(layer) for layer in target.layers}
         vocab = target.config.vocab_size
         rank, world, _ = shard
@@ -211,7 +266,7 @@ class CalibratedInit(ClosedFormInit):
             num = torch.zeros(self.seen.numel(), k, device=model.device)
             den = torch.zeros_like(num)
             for x, ids in zip(inputs.split(CALIB_WINDOWS), windows.split(CALIB_WINDOWS)):
-                self._accumulate(num, den, x[:, skip:], compact[ids[:, skip:]], weights, activation)
+                accumulate(num, den, x[:, skip:], compact[ids[:, skip:]], weights, activation, self.gate_weighted)
             if reduce is not None:
                 num, den = reduce(num), reduce(den)
             return self._shrunk(layer, num / den.clamp_min(1e-12))
@@ -229,11 +284,13 @@ class CalibratedInit(ClosedFormInit):
         windows: on demand for the tokens a choice scores (`scoring_windows`), else for the whole vocabulary, at
         the first use, into a file in `scratch_dir`."""
         reader = ParentReader(self.reading_model, self.family, target.config.stem_activation, target.layers,
-                              cut_contexts(self.windows, options.parent), self.columns, self.gate_weighted)
+                              cut_contexts(self.windows, options.parent), self.columns, self.gate_weighted,
+                              ContextSets(options.parent, target.config.vocab_size))
         widths = {layer: self._width(layer, target.config.intermediate_size) for layer in target.layers}
         stored = torch.float32 if str(target.config.dtype).removeprefix("torch.") == "float32" else torch.bfloat16
         return ParentPrior(reader, widths, target.config.vocab_size, stored, options.scratch_dir,
-                           whole=not options.scoring_windows, progress=self.progress and not self.shard[0])
+                           whole=not options.scoring_windows, progress=self.progress and not self.shard[0],
+                           report=not self.shard[0])
 
     @in_fp32
     def _shrunk(self, layer: int, means: torch.Tensor) -> torch.Tensor:
@@ -261,81 +318,29 @@ class CalibratedInit(ClosedFormInit):
         weights = stem_projections(self.source.tensors, self.family, layer, self.columns.get(layer), down=True)
         return {k: None if v is None else v.to(device, torch.float32) for k, v in weights.items()}
 
-    def _calibrate(self, target: InitTarget, shard, windows: torch.Tensor, model) -> dict[int, torch.Tensor]:
-        compact = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    def _calibrate(self, config, layers: list[int], shard, inputs: MlpInputs) -> dict[int, torch.Tensor]:
+        """{layer: [n_seen, k] the seen tokens' calibrated means} of `layers` from the MLP inputs of this process's
+        windows, computed in fp32 where the model reads (the teacher may already sit on a GPU)."""
+        compact = torch.full((config.vocab_size,), -1, dtype=torch.long)
         compact[self.seen] = torch.arange(self.seen.numel())
-        d_ff = target.config.intermediate_size  # the widest table's columns
-        per_layer = self.seen.numel() * d_ff * 4 * 2
-        group = max(1, CALIB_MEMORY_BYTES // per_layer)
-        activation = ACT2FN[target.config.stem_activation]
-        skip = skipped_positions(target.config)
-        device = model.device  # accumulate where the model runs (the teacher may already sit on a GPU)
-        compact = compact.to(device)
-        rank, world, reduce = shard
-        windows = windows[rank::world]  # this process's share of the text
+        activation = ACT2FN[config.stem_activation]
+        skip = skipped_positions(config)
+        _, _, reduce = shard
+        device = self.reading_model.device
         means = {}
-        for first in range(0, len(target.layers), group):
-            layers = target.layers[first : first + group]
-            sums = {layer: (torch.zeros(self.seen.numel(), self._width(layer, d_ff), device=device),
-                            torch.zeros(self.seen.numel(), self._width(layer, d_ff), device=device)) for layer in layers}
-            current = {}
-            hooks = []
-            for layer in layers:
-                weights = {k: (None if v is None else v.to(device, torch.float32)) for k, v in
-                           stem_projections(self.source.tensors, self.family, layer, self.columns.get(layer)).items()}
-                mlp = model.base_model.layers[layer].mlp
-                hooks.append(mlp.register_forward_pre_hook(self._accumulator(
-                    sums[layer], weights, activation, current, skip, stop=layer == layers[-1])))
-            try:
-                bar = tqdm(windows, desc=f"calibrate layers {layers[0]}-{layers[-1]}", unit="window",
-                           disable=not self.progress, file=sys.stderr)
-                with torch.no_grad():
-                    for window in bar:
-                        window = window.to(device)
-                        current["index"] = compact[window]  # [seq_len]
-                        try:
-                            model(window[None], use_cache=False)
-                        except _StopForward:
-                            pass
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            for layer, (num, den) in sums.items():
-                if reduce is not None:  # the sums over every process's windows
-                    num, den = reduce(num), reduce(den)
-                means[layer] = (num / den.clamp_min(1e-12)).cpu()
+        for layer in layers:
+            weights = {k: (None if v is None else v.to(device, torch.float32)) for k, v in
+                       stem_projections(self.source.tensors, self.family, layer, self.columns.get(layer)).items()}
+            num, den = token_sums(inputs, layer, torch.arange(len(inputs.windows)), compact, self.seen.numel(),
+                                  weights, activation, skip, self.gate_weighted)
+            if reduce is not None:  # the sums over every process's windows
+                num, den = reduce(num), reduce(den)
+            means[layer] = (num / den.clamp_min(1e-12)).cpu()
         return means
-
-    def _accumulator(self, sums, weights, activation, current, skip: int, stop: bool):
-        num, den = sums
-
-        @in_fp32  # the teacher's forward may run under bf16 autocast; its sums stay fp32
-        def hook(module, args):
-            self._accumulate(num, den, args[0][:, skip:], current["index"][skip:], weights, activation)
-            if stop:
-                raise _StopForward
-
-        return hook
 
     def _width(self, layer: int, d_ff: int) -> int:
         """The columns of `layer`'s table: the neurons of its split, or every one."""
         return self.columns[layer].columns if layer in self.columns else d_ff
-
-    @in_fp32
-    def _accumulate(self, num, den, x, index, weights, activation) -> None:
-        """Add the MLP inputs x [..., d] at rows `index` [...] of the sums: num += w * W_up x, den += w (w: the
-        squared gate, or 1), over the table's columns (the first k of the STEM MLP's order)."""
-        x = x.reshape(-1, x.shape[-1]).float()  # [tokens, d]
-        index = index.reshape(-1)
-        up = torch.nn.functional.linear(x, weights["up"], weights["up_bias"])  # [tokens, k]
-        if self.gate_weighted:
-            k = up.shape[-1]
-            bias = None if weights["gate_bias"] is None else weights["gate_bias"][:k]
-            w = activation(torch.nn.functional.linear(x, weights["gate"][:k], bias)).square()
-        else:
-            w = torch.ones_like(up)
-        num.index_add_(0, index, w * up)
-        den.index_add_(0, index, w)
 
     def _fit_projection(self, layer: int) -> torch.Tensor:
         return fit_projection(self.mlp_inputs(layer, self.embedding[self.seen]), self.means[layer])

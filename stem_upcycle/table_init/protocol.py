@@ -61,6 +61,8 @@ class InitOptions:
     heldout_data: dict[str, list[str]] | None = None  # {set: files} never calibrated on; their coverage is reported
     heldout_tokens: int | None = None  # of each held-out set's first tokens (None: all; a Hub file may hold 100M)
     dense_model: Any = None  # the dense model already loaded (e.g. a teacher on a GPU); else loaded when needed
+    reading_model: Any = None  # the dense model as it reads text (`calibrated.reading_model`), made once and shared
+    mlp_inputs: Any = None  # the calibration windows' MLP inputs read already (mlp_inputs.MlpInputs), by a choice
     shard: tuple[int, int, Reduce] | None = None  # (rank, world, reduce): this process calibrates every world-th window
     calibration: Any = None  # a calibration of every layer made already (by --layers auto), reused as it is
     scoring_windows: int = 0  # windows kept out of the calibration to score layers on (--layers auto)

@@ -18,9 +18,13 @@ from ..layers import LayerSpecError, parse_layers
 from ..loading import load_tokenizer, model_from_source
 from ..neurons import ColumnSpecError, NeuronSplit, choose_columns, parse_columns
 from . import INITIALISERS
-from .column_costs import column_costs
+from .calibrated import CalibrationError, calibration_windows, reading_model, skipped_positions
+from .closed_form import ClosedFormInit
+from .column_costs import ScoredText, column_costs, completion_lengths
 from .layer_choice import RANKING_FACTS, auto_fraction, check_auto, fact_completions, is_auto, select_layers
-from .protocol import FitOptions, InitOptions, InitTarget
+from .mlp_inputs import MlpInputs, layer_groups
+from .parent_rows import ContextSets, ParentPrior, ParentReader, cut_contexts
+from .protocol import InitOptions, InitTarget
 
 COLUMN_SCORING_WINDOWS = 16  # calibration windows kept out of the rows that neurons are scored on
 
@@ -33,6 +37,8 @@ class RowChoice:
     layers: list[int]
     columns: dict[int, NeuronSplit] = field(default_factory=dict)  # empty: whole layers
     calibration: Any = None  # every layer calibrated by --layers auto, reusable by the init (whole layers only)
+    text_inputs: Any = None  # the calibration text's MLP inputs a neuron choice read (mlp_inputs.py), for the init
+    reading_model: Any = None  # the dense model as it read them
     layer_costs: dict | None = None  # {layer: perplexity ratio converted alone} (--layers auto)
     fact_costs: dict | None = None  # {layer: fact-completion perplexity ratio converted alone} (--layers auto)
     measured: bool = True  # False in a dry run of a measured choice: counts and sizes only, no neuron chosen
@@ -67,22 +73,63 @@ def choose_rows(source, family: Family, config, layers: str, columns: str, init:
         even = dataclasses.replace(spec, spread=False)
         splits = {layer: s for layer, s in choose_columns(even, costs, step).items() if s.columns < d_ff}
         return dataclasses.replace(choice, columns=splits, measured=False)
-    calibrated, model = choice.calibration, options.dense_model
-    if calibrated is None:  # every converted layer calibrated whole, windows kept out to score the neurons on
-        model = model or model_from_source(source)
-        scoring = dataclasses.replace(options, dense_model=model, scoring_windows=COLUMN_SCORING_WINDOWS,
-                                      fit=FitOptions(), calibration=None)
-        calibrated = INITIALISERS[init](InitTarget(source, family, config, choice.layers), scoring, progress=progress)
-    facts = fact_completions(load_tokenizer(source), RANKING_FACTS) if options.fact_weight else None
-    costs = column_costs(calibrated.reading_model, calibrated, family, config, choice.layers, calibrated.scoring_windows,
-                         facts, options.fact_weight)
+    inputs, reading, costs = neuron_costs(source, family, config, choice.layers, init, options, progress)
     splits = choose_columns(spec, costs, step)
     if not splits:
         raise LayerSpecError(f"--columns {columns} leaves no neuron of layers {choice.layers} as a table column; "
                              f"give a larger share")
-    # layers given no column stay dense; the rows are calibrated again, on every window, for the chosen columns
+    # layers given no column stay dense; their rows are calibrated from the same inputs, for the chosen columns
     return RowChoice(sorted(splits), {layer: s for layer, s in splits.items() if s.columns < d_ff},
-                     layer_costs=choice.layer_costs, fact_costs=choice.fact_costs)
+                     layer_costs=choice.layer_costs, fact_costs=choice.fact_costs, text_inputs=inputs,
+                     reading_model=reading)
+
+
+def neuron_costs(source, family: Family, config, layers: list[int], init: str, options: InitOptions,
+                 progress: bool = False):
+    """(the calibration text's MLP inputs, the reading model, {layer: [d_ff] each neuron's cost}): the text read
+    once, COLUMN_SCORING_WINDOWS of its windows (spread over every text) kept out of the rows and scored on, with the
+    parent's completions of the ranking facts weighing `options.fact_weight`."""
+    model = options.dense_model or model_from_source(source)
+    reading = reading_model(model, options)
+    windows = calibration_windows(source, options)
+    if len(windows) <= 2 * COLUMN_SCORING_WINDOWS:
+        raise CalibrationError(f"choosing what becomes rows (--columns) scores on {COLUMN_SCORING_WINDOWS} windows "
+                               f"kept out of the calibration; give more than "
+                               f"{2 * COLUMN_SCORING_WINDOWS * windows.shape[1]} calibration tokens")
+    scoring = torch.linspace(0, len(windows) - 1, COLUMN_SCORING_WINDOWS).round().long()
+    skip = skipped_positions(config)  # a dense first token reads no row
+    where = torch.zeros(windows.shape, dtype=torch.bool)
+    where[scoring, skip:] = True
+    facts = fact_completions(load_tokenizer(source), RANKING_FACTS) if options.fact_weight else None
+    target = InitTarget(source, family, config, layers)
+    contexts = None
+    if options.parent.contexts:
+        # contexts cut from the windows the rows are calibrated on, as they were when the choice read them apart
+        # (cut from every window, the choice lost 6 of 37 facts on SmolLM2-135M at 16 and at 2 reads)
+        calibrated = torch.ones(len(windows), dtype=torch.bool)
+        calibrated[scoring] = False
+        contexts = cut_contexts(windows[calibrated], options.parent)
+    groups = layer_groups(layers, windows.shape, config.hidden_size, next(reading.parameters()).dtype)
+    costs = {}
+    for some in groups:
+        inputs = MlpInputs(reading, some, windows, options.scratch_dir, progress)
+        scored = [ScoredText(inputs, windows, where)]
+        if facts is not None:
+            real = torch.arange(facts.ids.shape[1])[None] < completion_lengths(facts)[:, None]  # no padding
+            real[:, :skip] = False
+            fact_inputs = MlpInputs(reading, some, facts.ids, options.scratch_dir, report=False)
+            scored.append(ScoredText(fact_inputs, facts.ids, real, options.fact_weight))
+        prior = None
+        if contexts is not None:  # every neuron's parent rows of the scored tokens, after the rows' own contexts
+            reader = ParentReader(reading, family, config.stem_activation, some, contexts,
+                                  gate_weighted=INITIALISERS[init].gate_weighted,
+                                  sets=ContextSets(options.parent, config.vocab_size))
+            prior = ParentPrior(reader, {layer: config.intermediate_size for layer in some}, config.vocab_size,
+                                torch.float32, whole=False)
+        costs |= column_costs(inputs, scoring, scored, prior, ClosedFormInit(target), family, config, some,
+                              options.shrink, skip, INITIALISERS[init].gate_weighted, progress, reading.device)
+    # the inputs are kept for the rows where every layer's fit the budget at once; else the rows read the text again
+    return (inputs if len(groups) == 1 else None), reading, costs
 
 
 def check_calibration_budget(spec, options: InitOptions) -> None:

@@ -40,7 +40,8 @@ class ModelSection:
     calib_data: list = field(default_factory=list)
     calib_tokens: int = 65536
     calib_seq_len: int = 512
-    parent_contexts: int = 16  # every token's row read from the source after this many contexts (as convert --parent-contexts)
+    parent_contexts: int = 16  # contexts every token's row is read from the source after some of (as convert --parent-contexts)
+    parent_reads: int = 2  # of those, how many each token is read after (as convert --parent-reads)
     shrink: float = 8.0  # a calibrated mean over n positions weighs n / (n + shrink) against the parent row (convert --shrink)
     fact_weight: float = 0.25  # the neurons also scored on completions of factual prompts (as convert --fact-weight)
     keep_init: bool = False  # keep the converted starting point in OUTPUT/init after export (to compare with it)
@@ -271,7 +272,7 @@ def _coerce(value, default, key: str):
 # The range of every numeric key, in one place ("> 0", ">= 0", "[0, 1]", "[0, 1)"); a value outside is a
 # one-line error. Every numeric field of Recipe is listed (a test checks it).
 RANGES = {
-    "model.calib_tokens": "> 0", "model.calib_seq_len": ">= 2", "model.parent_contexts": ">= 0", "model.shrink": ">= 0",
+    "model.calib_tokens": "> 0", "model.calib_seq_len": ">= 2", "model.parent_contexts": ">= 0", "model.parent_reads": ">= 1", "model.shrink": ">= 0",
     "model.fact_weight": ">= 0",
     "local.refit_down": ">= 0", "local.epochs": ">= 0", "local.lr": "> 0", "local.row_lr": "> 0",
     "local.batch_tokens": "> 0",

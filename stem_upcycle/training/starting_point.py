@@ -15,6 +15,7 @@ from ..generate import GeneratedText, Sampling, as_stream
 from ..loading import fast_dtype
 from ..neurons import parse_columns
 from ..source import open_source
+from ..stages import stage
 from ..table_init import INITIALISERS, FitOptions, InitOptions
 from ..table_init.calibrated import calibrated_ids, calibration_windows
 from ..table_init.layer_choice import is_auto
@@ -37,18 +38,18 @@ def generated_text(recipe, source, teacher, tokenizer, acc, progress: bool) -> t
                                  first_top_k=g.first_top_k, temperature=g.temperature, seed=g.seed,
                                  dtype=fast_dtype(teacher.device))
     text = GeneratedText(source, sampling, g.cache_dir)
-    with acc.autocast():  # every process generates its share of the missing batches
-        mine = text.generate(teacher, tokenizer, acc.process_index, acc.num_processes,
-                             progress=progress and acc.is_main_process)
-    acc.wait_for_everyone()
-    tokens = mine["tokens"]
-    if acc.num_processes > 1:
-        tokens = int(acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item())
-    stats = {}
-    if tokens:
-        stats = {"tokens": tokens, "seconds": mine["seconds"], "tokens_per_s": tokens / max(mine["seconds"], 1e-9)}
-        if acc.is_main_process:
-            print(text.describe(tokens, stats["seconds"], acc.num_processes), file=sys.stderr)
+    with stage("sample", f"{g.tokens:,} tokens read from {text.folder}", acc.is_main_process) as note:
+        with acc.autocast():  # every process generates its share of the missing batches
+            mine = text.generate(teacher, tokenizer, acc.process_index, acc.num_processes,
+                                 progress=progress and acc.is_main_process)
+        acc.wait_for_everyone()
+        tokens = mine["tokens"]
+        if acc.num_processes > 1:
+            tokens = int(acc.reduce(torch.tensor(tokens, device=acc.device), reduction="sum").item())
+        stats = {}
+        if tokens:
+            stats = {"tokens": tokens, "seconds": mine["seconds"], "tokens_per_s": tokens / max(mine["seconds"], 1e-9)}
+            note["work"] = text.describe(tokens, stats["seconds"], acc.num_processes)
     return text.load(), stats
 
 
@@ -80,7 +81,7 @@ def initial_model(recipe, source, teacher, tokenizer, generated, acc, output: Pa
                           heldout_tokens=recipe.data.eval_tokens,  # what each evaluation scores
                           dense_model=teacher,  # held-out text is never calibrated on either
                           fit=FitOptions(**dataclasses.asdict(recipe.local)),
-                          parent=ParentRowOptions(contexts=m.parent_contexts), shrink=m.shrink, fact_weight=m.fact_weight)
+                          parent=ParentRowOptions(contexts=m.parent_contexts, reads=m.parent_reads), shrink=m.shrink, fact_weight=m.fact_weight)
     if generated is not None and recipe.generated.calib_share:
         share = recipe.generated.calib_share if calib else 1.0
         stream = as_stream(generated, tokenizer.eos_token_id)  # as training packs it
