@@ -23,9 +23,10 @@ from .table_init.mlp_inputs import WINDOWS_PER_FORWARD
 from .table_init.parent_rows import CANDIDATES, ROWS_PER_FORWARD, ParentReader
 
 WRITE_SLICE_BYTES = 64 * 2**20
+FILL_SLICE_ROWS = 4096  # the tables' rows filled from the parent's in one timed slice
 
 
-def timed(fn, repeat: int = 2) -> float:
+def timed(fn, repeat: int = 1) -> float:
     """Seconds of one call of `fn`, the least of `repeat` after a warm-up."""
     fn()
     best = float("inf")
@@ -80,7 +81,7 @@ def estimate_conversion(plan, reading, text_tokens: int, tokenizer=None, samplin
     if plan.reads_parent_rows:
         estimates.append(Estimate("parent rows", f"{plan.parent_positions:,} positions",
                                   plan.parent_positions * parent_position))
-    return estimates + [_write(plan, out)]
+    return estimates + [_write(plan, out, list(widths.values()) if plan.reads_parent_rows else [])]
 
 
 @torch.no_grad()
@@ -93,17 +94,15 @@ def _decode_step(model, tokenizer, sampling) -> float:
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, model.config.vocab_size, (n, half), generator=generator).to(model.device)
     cache = cache_argument(model)
+    state = {"out": model(prefix, use_cache=True, logits_to_keep=1)}
 
-    def steps(count=4):
-        out = model(prefix, use_cache=True, logits_to_keep=1)
-        started = time.perf_counter()
-        for _ in range(count):
-            ids = draw(out.logits[:, -1].float(), generator)[:, None]
-            out = model(ids, use_cache=True, logits_to_keep=1, **{cache: out[cache if cache in out else "past_key_values"]})
-        return (time.perf_counter() - started) / count
+    def step():  # the forward and the draw, the cache one longer each time
+        out = state["out"]
+        ids = draw(out.logits[:, -1].float(), generator)[:, None]
+        state["out"] = model(ids, use_cache=True, logits_to_keep=1,
+                             **{cache: out[cache if cache in out else "past_key_values"]})
 
-    steps(1)
-    return min(steps(), steps())
+    return timed(step, repeat=3)
 
 
 def model_for_timing(source):
@@ -173,8 +172,9 @@ def _projection(model, width: int, seq: int, reading_dtype: bool = False) -> flo
     return timed(lambda: accumulate(num, den, x, index, weights, ACT2FN["silu"], True, dtype))
 
 
-def _write(plan, out: Path | None) -> Estimate:
-    """The output's bytes at the rate a slice of them is written beside OUT."""
+def _write(plan, out: Path | None, prior_widths: list[int] = ()) -> Estimate:
+    """The output's bytes at the rate a slice of them is written beside OUT, and where the tables are filled from the
+    parent's rows (`prior_widths`: each table's columns), those rows copied out of their file a slice at a time."""
     folder = Path(out).resolve().parent if out is not None else Path(tempfile.gettempdir())
     while not folder.exists():
         folder = folder.parent
@@ -186,4 +186,16 @@ def _write(plan, out: Path | None) -> Estimate:
             f.flush()
 
     seconds = timed(write, repeat=1) * plan.total_bytes / WRITE_SLICE_BYTES
+    if prior_widths:  # the tables' rows, each a column range of the parent rows' file, in its dtype, in fp32
+        stored = plan.parent_bytes // (plan.config.vocab_size * sum(prior_widths))
+        prior = torch.zeros(FILL_SLICE_ROWS, sum(prior_widths), dtype=torch.bfloat16 if stored == 2 else torch.float32)
+        table = torch.empty(FILL_SLICE_ROWS, max(prior_widths))
+
+        def fill():
+            lo = 0
+            for width in prior_widths:
+                table[:, :width].copy_(prior[:, lo : lo + width].float())
+                lo += width
+
+        seconds += timed(fill) * plan.config.vocab_size / FILL_SLICE_ROWS
     return Estimate("write", f"{plan.total_bytes / 1e9:.2f} GB", seconds)
