@@ -5,6 +5,7 @@ starts) against the clock.
     STEM_UPCYCLE_FAST_DTYPE=float32 python benchmarks/convert_time.py smollm2   # as a CPU without native bf16 reads
     python benchmarks/convert_time.py llama              # Llama-3.2-1B's shapes, random weights: the plan's time,
                                                          # its two longest stages clocked on a slice
+    python benchmarks/convert_time.py sampling           # the parent's text: tokens/s by sequences a batch
 
 `smollm2` runs `stem-upcycle convert smollm2-135m OUT` in a child process with an empty cache for the sampled text
 (STEM_UPCYCLE_CACHE under WORKDIR) and prints, for each stage, the plan's estimate, the stage's own line and their
@@ -69,6 +70,18 @@ def cpu() -> str:
     return describe_machine(torch.device("cpu"), None).removesuffix(", the parent read in float32")
 
 
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` ids ("w0".., the last two <eos> and <unk>): what a random checkpoint
+    of real shapes lacks to be planned with text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)} | {"<eos>": vocab_size - 2, "<unk>": vocab_size - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+
+
 @click.group()
 def main():
     pass
@@ -112,8 +125,9 @@ def llama(workdir, tokens, steps):
     from stem_upcycle.conversion_time import _decode_step
     from stem_upcycle.convert import plan_conversion
     from stem_upcycle.families import family_for
-    from stem_upcycle.generate import calibration_sampling, draw
+    from stem_upcycle.generate import cache_argument, calibration_sampling, draw
     from stem_upcycle.loading import model_from_source
+    from stem_upcycle.shapes import LLAMA_32_1B
     from stem_upcycle.source import open_source
     from stem_upcycle.table_init import InitOptions
     from stem_upcycle.table_init.calibrated import in_dtype
@@ -124,6 +138,8 @@ def llama(workdir, tokens, steps):
     dense = workdir / "dense"
     if not (dense / "config.json").exists():
         write_random_checkpoint(dense)
+    if not (dense / "tokenizer.json").exists():  # the calibrated default reads text: a tokenizer of the vocabulary
+        save_word_tokenizer(dense, LLAMA_32_1B["vocab_size"])
     output, _ = run(["stem-upcycle", "convert", str(dense), str(workdir / "out"), "--dry-run"], dict(os.environ))
     print(f"CPU: {cpu()}; STEM_UPCYCLE_FAST_DTYPE={os.environ.get('STEM_UPCYCLE_FAST_DTYPE', '(unset)')}")
     print("\n".join(line for line in output.splitlines() if line.split(" ", 1)[0] in ("parent", "time", "")))
@@ -134,7 +150,7 @@ def llama(workdir, tokens, steps):
           f"{GPU_TFLOPS:.0f} TFLOP/s, an H100's bf16 at about 30%)")
 
     source = open_source(str(dense))
-    family = family_for(source.config)
+    family = family_for(source.config.model_type)
     plan = plan_conversion(source, init="calib", columns=DEFAULT_SHARE, dry_run=True,  # convert's defaults
                            init_options=InitOptions(calib_generated=torch.zeros(0, dtype=torch.long)))
     reading = in_dtype(model_from_source(source), "auto")
@@ -153,17 +169,45 @@ def llama(workdir, tokens, steps):
 
     sampling = calibration_sampling(65536, reading.device)
     step = _decode_step(reading, None, sampling)
-    n, half = sampling.batch_size, sampling.length // 2
+    n, half, cache = sampling.batch_size, sampling.length // 2, cache_argument(reading)
     prefix = torch.randint(0, config.vocab_size, (n, half))
     with torch.no_grad():
         out = reading(prefix, use_cache=True, logits_to_keep=1)
         started = time.perf_counter()
         for _ in range(steps):
             token = draw(out.logits[:, -1].float(), torch.Generator().manual_seed(0))[:, None]
-            out = reading(token, use_cache=True, logits_to_keep=1, past_key_values=out.past_key_values)
+            past = out[cache if cache in out else "past_key_values"]
+            out = reading(token, use_cache=True, logits_to_keep=1, **{cache: past})
     clocked = (time.perf_counter() - started) / steps
     print(f"sampling: {clocked:.2f} s a step of {n} sequences clocked over {steps} steps, {step:.2f} s planned "
           f"({clocked / step:.2f}x)")
+
+
+@main.command()
+@click.option("--batches", default="32,128,256", show_default=True, help="Sequences sampled at once.")
+@click.option("--steps", default=64, show_default=True, help="Decode steps clocked after a prefix of half a sequence.")
+def sampling(batches, steps):
+    """Tokens/s of sampling SmolLM2-135M's text (256 tokens a sequence) by batch size, in the dtype convert samples
+    in here (STEM_UPCYCLE_FAST_DTYPE chooses): what CALIBRATION_BATCH is set by."""
+    from stem_upcycle.generate import Sampling, cache_argument, draw
+    from stem_upcycle.loading import fast_dtype, model_from_source
+    from stem_upcycle.source import open_source
+
+    dtype = fast_dtype(torch.device("cpu"))
+    model = model_from_source(open_source("smollm2-135m")).to(dtype)
+    print(f"CPU: {cpu()}; sampling in {str(dtype).removeprefix('torch.')}")
+    length, cache = Sampling(sequences=1).length, cache_argument(model)
+    for n in [int(b) for b in batches.split(",")]:
+        generator = torch.Generator().manual_seed(0)
+        prefix = torch.randint(0, model.config.vocab_size, (n, length // 2), generator=generator)
+        with torch.no_grad():
+            out = model(prefix, use_cache=True, logits_to_keep=1)
+            started = time.perf_counter()
+            for _ in range(steps):
+                ids = draw(out.logits[:, -1].float(), generator)[:, None]
+                past = out[cache if cache in out else "past_key_values"]
+                out = model(ids, use_cache=True, logits_to_keep=1, **{cache: past})
+        print(f"batch {n}: {n * steps / (time.perf_counter() - started):.0f} tokens/s")
 
 
 if __name__ == "__main__":

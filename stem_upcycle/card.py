@@ -8,7 +8,7 @@ from .table_init import INITIALISERS
 UNTRAINED_WARNING = (
     "A converted STEM model, not yet trained, is worse than its dense base, by how much depends on the layers "
     "converted and the table init. Measured on SmolLM2-135M-Instruct: convert's defaults (a sixth of every layer's "
-    "neurons, rows from the parent) give 1.23x-1.91x the parent's perplexity on eight held-out genres, 36 of its 53 "
+    "neurons, rows from the parent) give 1.27x-1.80x the parent's perplexity on eight held-out genres, 41 of its 53 "
     "facts; layer 0 alone with --init calib is usable as it is (1.00x-1.01x on six genres, 48 facts); no model "
     "made with the data-free closed-form init is. Recovery training (`stem-upcycle train`) closes part of the gap; "
     "measure this model against its base with `stem-upcycle eval MODEL --data FILE --reference BASE --facts`."

@@ -64,8 +64,9 @@ class Sampling:
 
 
 # Sequences `convert` samples at once for its calibration text: a decode step's fixed costs shared by more tokens.
-# SmolLM2-135M on 2 cores, 256 tokens a sequence (benchmarks/README.md, convert_time.py): 413 -> 696 tokens/s in
-# bf16 (AMX), 229 -> 336 in fp32 limited to AVX2, from 32 to 128; 256 gained little more, or lost.
+# SmolLM2-135M on 2 cores, 256 tokens a sequence (benchmarks/README.md, convert_time.py): 224 -> 348 tokens/s in
+# fp32 from 32 to 128 (301 at 256), 346 -> 603 in bf16 (749 at 256): 128 is best where bf16 is not native, where
+# the time counts most. Another batch size samples another text (the cache's key holds it).
 CALIBRATION_BATCH = 128
 
 

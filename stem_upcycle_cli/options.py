@@ -14,7 +14,7 @@ DEFAULT_GENERATED = 65536  # table_init.calibrated.DEFAULT_GENERATED: --calib-ge
 DTYPES = ("bfloat16", "float32", "float16")  # source.DTYPES
 INITS = ("calib", "calib-mean", "closed-form")  # table_init.INITIALISERS, sorted
 FIT_DEFAULTS = {"sequential": False, "refit_down": 0.0, "epochs": 0}  # table_init.FitOptions
-PARENT_DEFAULTS = {"contexts": 16, "reads": 2, "shrink": 8.0}  # table_init.ParentRowOptions.contexts, .reads,
+PARENT_DEFAULTS = {"contexts": 16, "reads": 4, "shrink": 8.0}  # table_init.ParentRowOptions.contexts, .reads,
 # InitOptions.shrink
 FACT_WEIGHT = 0.25  # table_init.InitOptions.fact_weight
 MODES = {  # editing.MODES

@@ -34,13 +34,13 @@ def test_each_stage_is_its_units_times_a_slice_timed_with_the_runs_model(planned
     dense, plan = planned
     forwards = []  # what the slices ran: (batch, positions) of each forward of the model's layers
     hook = dense.model.layers[0].register_forward_pre_hook(lambda module, args: forwards.append(tuple(args[0].shape[:2])))
-    monkeypatch.setattr(conversion_time, "timed", lambda fn, repeat=1: (fn(), 1.0)[1])  # every slice: one run, "1 s"
+    monkeypatch.setattr(conversion_time, "timed", lambda fn, repeat=1, warm=None: (fn(), 1.0)[1])  # one run, "1 s"
     sampling = Sampling.covering(1024, batch_size=4, length=64)
     estimates = {e.stage: e.seconds for e in conversion_time.estimate_conversion(
         plan, dense, 2048, object(), sampling, 3, tmp_path / "out", dense)}
     hook.remove()
     # a decode step of the sampling batch, a forward of WINDOWS_PER_FORWARD windows, a forward of the parent's rows
-    assert (4, 32) in forwards and (4, 1) in forwards  # the prefix (half a sequence) and a step after it
+    assert (1, 32) in forwards and (4, 1) in forwards  # half a sequence's cache, repeated; a step of the batch
     assert (WINDOWS_PER_FORWARD, 32) in forwards
     assert (ROWS_PER_FORWARD, plan.init_options.parent.context_length + CANDIDATES) in forwards
     windows, layers = 2048 // 32, 3

@@ -164,7 +164,7 @@ def test_the_default_conversion_reads_the_parents_own_text_and_converts_a_share_
     result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--calib-generate", "8192",
                                        "--calib-seq-len", "64"])
     assert result.exit_code == 0, result.output
-    assert "every token read after 2 of 16 contexts of 48 tokens: 192 positions" in result.output
+    assert "every token read after 4 of 16 contexts of 48 tokens: 384 positions" in result.output
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["stem_init"] == "calib" and config["stem_layers"] == [0, 1, 2]
     assert config["stem_table_columns"] == {"0": 16, "1": 16, "2": 16}

@@ -70,7 +70,7 @@ def test_llama_32_1b_by_default_converts_a_sixth_of_every_layers_neurons(llama_1
     text = InitOptions(calib_generated=torch.zeros(0, dtype=torch.long))  # stands for the text a run samples
     plan = plan_conversion(llama_1b_source, init="calib", init_options=text, dry_run=True)
     assert plan.layers == list(range(16)) and set(plan.config.stem_table_columns.values()) == {1344}  # 8192 / 6
-    assert "every token read after 2 of 16 contexts of 48 tokens: 256,512 positions" in plan.describe()
+    assert "every token read after 4 of 16 contexts of 48 tokens: 513,024 positions" in plan.describe()
     assert plan.parent_bytes == 128256 * 16 * 1344 * 2  # bf16, beside the output while its tables are written
     assert plan_conversion(llama_1b_source).config.stem_table_columns is None  # closed-form: whole layers
     assert plan_conversion(llama_1b_source, layers="1/3", init="calib", init_options=text,

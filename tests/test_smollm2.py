@@ -76,7 +76,7 @@ def english(tmp_path_factory):
 
 def test_calibrated_init_is_far_closer_to_dense_than_the_closed_form(converted, english, tmp_path):
     calib = tmp_path / "calib"
-    # the fixture's layers, whole; the parent rows read after one context (16, the default: ~15 min here in fp32)
+    # the fixture's layers, whole; the parent rows read after one context (the default, 4 of 16, takes minutes more)
     args = ["convert", "smollm2-135m", str(calib), "--layers", "1/3", "--columns", "all", "--init", "calib",
             "--calib-data", str(english / "calib.txt"), "--calib-tokens", "8192", "--parent-contexts", "1", "--quiet"]
     assert CliRunner().invoke(main, args, catch_exceptions=False).exit_code == 0

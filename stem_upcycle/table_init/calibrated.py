@@ -328,7 +328,7 @@ class CalibratedInit(ClosedFormInit):
         _, _, reduce = shard
         device = self.reading_model.device
         means = {}
-        for layer in layers:
+        for layer in tqdm(layers, desc="rows", unit="layer", disable=not self.progress or bool(shard[0]), file=sys.stderr):
             weights = {k: (None if v is None else v.to(device, torch.float32)) for k, v in
                        stem_projections(self.source.tensors, self.family, layer, self.columns.get(layer)).items()}
             num, den = token_sums(inputs, layer, torch.arange(len(inputs.windows)), compact, self.seen.numel(),

@@ -43,8 +43,8 @@ class ParentRowOptions:
 
     contexts: int = 16  # P: contexts cut from the text, the most a token is read after; 0: no parent rows (the ridge map)
     # B: contexts each token is read after (B >= P: every token after all P, no correction). SmolLM2-135M, a sixth of
-    # every layer (benchmarks/README.md, parent_budget.py): 2 in 16 stays within 0.03 of all 16 on eight genres
-    reads: int = 2
+    # every layer (benchmarks/README.md, parent_budget.py): 4 of 16 stays within 0.03 of all 16 on eight genres, 2 not
+    reads: int = 4
     context_length: int = 48  # L: tokens of text before the token
     seed: int = 0  # where in the text the contexts are cut, and which tokens share contexts
     dtype: str = "auto"  # what the parent computes in: auto (loading.fast_dtype: bf16 where native), float32, ...
@@ -63,10 +63,8 @@ class ContextSets:
     """Which contexts each token is read after: the vocabulary split at random into sets of equal size, set s read
     after the B contexts s*B, s*B + 1, ... (mod P), so that every context serves as many tokens and no token's row
     shares another set's contexts; one set of all P contexts when B >= P. Tokens of one set share their contexts'
-    main effect, what those contexts add to every token's up-activation: `set_effects` estimates it (the set's mean
-    row against every set's) and `ParentPrior` takes it off. SmolLM2-135M, a sixth of every layer, 2 contexts a
-    token: the worst genre's ratio 2.21x with one shared set, 1.96x with two sets, 1.93x with the effect taken off
-    (16 contexts: 1.91x; benchmarks/README.md, parent_budget.py)."""
+    main effect, what those contexts add to every token's up-activation: `ParentPrior` estimates it (the set's mean
+    row against every set's) and takes it off. What B of P costs in quality: benchmarks/README.md, parent_budget.py."""
 
     def __init__(self, options: ParentRowOptions, vocab_size: int):
         p, b = options.contexts, options.per_token

@@ -41,7 +41,7 @@ class ModelSection:
     calib_tokens: int = 65536
     calib_seq_len: int = 512
     parent_contexts: int = 16  # contexts every token's row is read from the source after some of (as convert --parent-contexts)
-    parent_reads: int = 2  # of those, how many each token is read after (as convert --parent-reads)
+    parent_reads: int = 4  # of those, how many each token is read after (as convert --parent-reads)
     shrink: float = 8.0  # a calibrated mean over n positions weighs n / (n + shrink) against the parent row (convert --shrink)
     fact_weight: float = 0.25  # the neurons also scored on completions of factual prompts (as convert --fact-weight)
     keep_init: bool = False  # keep the converted starting point in OUTPUT/init after export (to compare with it)
