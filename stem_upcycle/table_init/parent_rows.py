@@ -43,7 +43,7 @@ class ParentRowOptions:
 
     contexts: int = 16  # P: contexts cut from the text, the most a token is read after; 0: no parent rows (the ridge map)
     # B: contexts each token is read after (B >= P: every token after all P, no correction). SmolLM2-135M, a sixth of
-    # every layer (benchmarks/README.md, parent_budget.py): 4 of 16 stays within 0.03 of all 16 on eight genres, 2 not
+    # every layer (benchmarks/README.md, parent_budget.py): 4 of 16 within 0.031 of all 16 on eight genres; 2 to 0.057
     reads: int = 4
     context_length: int = 48  # L: tokens of text before the token
     seed: int = 0  # where in the text the contexts are cut, and which tokens share contexts
