@@ -184,10 +184,10 @@ def main():
 @click.option("--parent-reads", type=click.IntRange(min=1), default=PARENT_DEFAULTS["reads"], show_default=True,
               metavar="B", help="With --parent-contexts P: each token is read after B of the P contexts (vocabulary x B "
                                 "positions of SOURCE, the price of the rows: the plan prints them), tokens sharing "
-                                "contexts in sets whose shared effect is taken off; B >= P reads every token after all P. "
-                                "The default is where the quality curve bends: on SmolLM2-135M's default conversion, 4 of 16 "
-                                "stayed within 0.025 of all 16 on seven held-out genres (0.031 on an eighth) for a quarter of the work; 2 cost "
-                                "up to 0.057, 1 up to 0.083.")
+                                "contexts in sets whose shared effect is taken off; B >= P reads every token after "
+                                "all P. The default is where the quality curve bends: on SmolLM2-135M's default "
+                                "conversion, 4 of 16 stayed within 0.025 of all 16 on seven held-out genres (0.031 on "
+                                "an eighth) for a quarter of the work; 2 cost up to 0.057, 1 up to 0.083.")
 @click.option("--shrink", type=click.FloatRange(min=0), default=PARENT_DEFAULTS["shrink"], show_default=True,
               metavar="K", help="With --parent-contexts: a token the calibration shows n times gets (n x its calibrated "
                                 "mean + K x its parent row) / (n + K). 0: its calibrated mean as it is.")
