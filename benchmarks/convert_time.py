@@ -168,7 +168,7 @@ def llama(workdir, tokens, steps):
           f"({clocked / expected:.2f}x)")
 
     sampling = calibration_sampling(65536, reading.device)
-    step = _decode_step(reading, None, sampling)
+    step = _decode_step(reading, sampling)
     n, half, cache = sampling.batch_size, sampling.length // 2, cache_argument(reading)
     prefix = torch.randint(0, config.vocab_size, (n, half))
     with torch.no_grad():

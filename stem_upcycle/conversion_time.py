@@ -43,18 +43,18 @@ def distinct_tokens(tokens: int, vocab_size: int) -> int:
     return min(vocab_size, int(3 * tokens**0.75))
 
 
-def estimate_conversion(plan, reading, text_tokens: int, tokenizer=None, sampling=None, sample_batches: int = 0,
+def estimate_conversion(plan, reading, text_tokens: int, sampling=None, sample_batches: int = 0,
                         out: Path | None = None, sampler=None) -> list[Estimate]:
     """The stages of `plan` (a ConversionPlan; a dry run's plans as many layers and columns as the run converts),
     timed with `reading`, the dense model as the run reads text (its device, its dtype): sampling `sample_batches`
-    batches of `sampling` (generate.Sampling) with `sampler` (the model in the dtype it samples in) and `tokenizer`,
+    batches of `sampling` (generate.Sampling) with `sampler` (the model in the dtype it samples in),
     the calibration on `text_tokens` tokens, a neuron choice, the parent's rows, the rows and the files, written
     beside `out`."""
     options, config = plan.init_options, plan.config
     estimates = []
     if sample_batches:
         estimates.append(Estimate("sample", f"{sample_batches * sampling.batch_size * sampling.length:,} tokens",
-                                  sample_batches * sampling.length * _decode_step(sampler, tokenizer, sampling)))
+                                  sample_batches * sampling.length * _decode_step(sampler, sampling)))
     if not INITIALISERS[plan.init].needs_data:
         return estimates + [_write(plan, out)]
     # a window no longer than the text or the model's positions (a longer one is refused when the text is read)
@@ -87,7 +87,7 @@ def estimate_conversion(plan, reading, text_tokens: int, tokenizer=None, samplin
 
 
 @torch.no_grad()
-def _decode_step(model, tokenizer, sampling) -> float:
+def _decode_step(model, sampling) -> float:
     """Seconds of one decode step of `sampling`'s batch with a cache of half its sequence (the mean a step sees),
     each step the forward and the draw, as generate.sample_batch runs it."""
     from .generate import cache_argument, draw

@@ -305,8 +305,9 @@ def convert(source, out, layers, columns, fact_weight, init, calib_data, calib_t
     if sampler is not None and next(sampler.parameters()).dtype != getattr(torch, sampling.dtype):
         sampler = options.reading_model  # the copy in the dtype that samples
     text_tokens = calib_tokens if calib_data else min(calib_tokens, calib_generate)  # at most
-    estimates = estimate_conversion(plan, options.reading_model, text_tokens, load_tokenizer(src) if missing else None,
-                                    sampling, missing, Path(out), sampler)
+    if missing:  # sampling reads with the tokenizer: one that does not load is refused before any work, dry run too
+        load_tokenizer(src)
+    estimates = estimate_conversion(plan, options.reading_model, text_tokens, sampling, missing, Path(out), sampler)
     click.echo(plan.describe())
     click.echo(describe_estimates(estimates, describe_machine(device, options.reading_model)))
     if dry_run:

@@ -37,7 +37,7 @@ def test_each_stage_is_its_units_times_a_slice_timed_with_the_runs_model(planned
     monkeypatch.setattr(conversion_time, "timed", lambda fn, repeat=1, warm=None: (fn(), 1.0)[1])  # one run, "1 s"
     sampling = Sampling.covering(1024, batch_size=4, length=64)
     estimates = {e.stage: e.seconds for e in conversion_time.estimate_conversion(
-        plan, dense, 2048, object(), sampling, 3, tmp_path / "out", dense)}
+        plan, dense, 2048, sampling, 3, tmp_path / "out", dense)}
     hook.remove()
     # a decode step of the sampling batch, a forward of WINDOWS_PER_FORWARD windows, a forward of the parent's rows
     assert (1, 32) in forwards and (4, 1) in forwards  # half a sequence's cache, repeated; a step of the batch

@@ -101,6 +101,9 @@ def neuron_costs(source, family: Family, config, layers: list[int], init: str, o
     where = torch.zeros(windows.shape, dtype=torch.bool)
     where[scoring, skip:] = True
     facts = fact_completions(load_tokenizer(source), RANKING_FACTS) if options.fact_weight else None
+    if facts is not None:  # the completions' scored positions: no padding, no dense first token
+        real = torch.arange(facts.ids.shape[1])[None] < completion_lengths(facts)[:, None]
+        real[:, :skip] = False
     target = InitTarget(source, family, config, layers)
     contexts = None
     if options.parent.contexts:
@@ -115,8 +118,6 @@ def neuron_costs(source, family: Family, config, layers: list[int], init: str, o
         inputs = MlpInputs(reading, some, windows, options.scratch_dir, progress)
         scored = [ScoredText(inputs, windows, where)]
         if facts is not None:
-            real = torch.arange(facts.ids.shape[1])[None] < completion_lengths(facts)[:, None]  # no padding
-            real[:, :skip] = False
             fact_inputs = MlpInputs(reading, some, facts.ids, options.scratch_dir, report=False)
             scored.append(ScoredText(fact_inputs, facts.ids, real, options.fact_weight))
         prior = None
